@@ -1,0 +1,36 @@
+"""The interface every drafter implements, so the engine loop never changes when drafters do."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Protocol, runtime_checkable
+
+from reader_spec.tree import Proposal
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Proposes continuations of each request's text.
+
+    A request's text is its prompt plus every token emitted so far; the last token of that text is
+    the root of the next draft tree. The engine calls ``begin`` once, then alternates ``propose``,
+    ``observe`` and ``extend``, and calls ``end`` when the request finishes.
+    """
+
+    def begin(self, request: Hashable, prompt: Sequence[int]) -> None:
+        """Start tracking a request whose text so far is ``prompt``."""
+
+    def extend(self, request: Hashable, tokens: Sequence[int]) -> None:
+        """Append tokens the target model emitted (accepted drafts plus the bonus token)."""
+
+    def propose(self, request: Hashable, max_nodes: int) -> Proposal:
+        """At most ``max_nodes`` nodes continuing the request's text, best first."""
+
+    def observe(self, request: Hashable, proposal: Proposal, accepted: int) -> None:
+        """Feedback after verification: ``accepted`` of the verified ``proposal``'s nodes were kept.
+
+        Budgets trust the drafter's path probabilities, so drafters use this to keep them calibrated.
+        """
+
+    def end(self, request: Hashable) -> None:
+        """Forget a finished request."""

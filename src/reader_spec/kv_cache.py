@@ -1,0 +1,156 @@
+"""A KV cache where every sequence of a batch keeps its own length.
+
+Each batch slot owns a preallocated row ``[heads, capacity, head_dim]`` per layer. A forward pass
+writes its new keys at ``length[slot] + t`` of each slot it covers and returns views of the buffers,
+so nothing is concatenated or copied per step. After verification, :meth:`RaggedKVCache.commit`
+moves the accepted tree nodes next to the context (a gather of a few entries per layer) and
+advances the length: rejected drafts leave neither holes nor padding behind, and the per-step
+cost is proportional to the tree, never to the context.
+
+The class plugs into ``transformers`` as a :class:`transformers.Cache`, so models run their own
+attention code unchanged; the engine supplies the 4D mask that hides other slots' padding.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class _RaggedLayer(CacheLayerMixin):
+    """One layer's buffers; the write window is owned by the parent cache."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner: RaggedKVCache) -> None:
+        super().__init__()
+        self.owner = owner
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        owner = self.owner
+        shape = (owner.num_slots, key_states.shape[1], owner.capacity)
+        self.keys = key_states.new_zeros((*shape, key_states.shape[-1]))
+        self.values = value_states.new_zeros((*shape, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        rows, write_index, kv_length = self.owner.window()
+        keys, values = self.keys[rows], self.values[rows]
+        index = write_index[:, None, :, None]
+        keys.scatter_(2, index.expand_as(key_states), key_states)
+        values.scatter_(2, index.expand_as(value_states), value_states)
+        return keys[:, :, :kv_length], values[:, :, :kv_length]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.window()[2], 0
+
+    def get_seq_length(self) -> int:
+        return int(self.owner.lengths.max()) if self.owner.lengths.numel() else 0
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def grow(self, capacity: int) -> None:
+        if self.keys is not None:
+            self.keys = _pad_time(self.keys, capacity)
+            self.values = _pad_time(self.values, capacity)
+
+
+def _pad_time(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
+    grown = buffer.new_zeros((*buffer.shape[:2], capacity, buffer.shape[3]))
+    grown[:, :, : buffer.shape[2]] = buffer
+    return grown
+
+
+class RaggedKVCache(Cache):
+    """Slots ``0..num_slots-1``, each with its own committed length.
+
+    Usage per forward: :meth:`set_window` (which slots, how many new tokens), run the model, then
+    :meth:`commit` the accepted entries of each slot.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, capacity: int, device: torch.device | str = "cpu"):
+        super().__init__(layers=[])
+        self.layers = [_RaggedLayer(self) for _ in range(num_layers)]
+        self.num_slots = num_slots
+        self.capacity = capacity
+        self.device = torch.device(device)
+        self.lengths = torch.zeros(num_slots, dtype=torch.long)
+        self._rows = slice(0, 0)
+        self._write_index: torch.Tensor | None = None
+        self._kv_length = 0
+
+    # --- the window of the next forward pass -------------------------------------------------
+    def set_window(self, rows: slice, new_tokens: int) -> int:
+        """Prepare a forward over slots ``rows`` with ``new_tokens`` inputs each.
+
+        Returns the key length the attention mask must have: the longest context among the rows
+        plus the new tokens.
+        """
+        lengths = self.lengths[rows]
+        kv_length = int(lengths.max()) + new_tokens
+        if kv_length > self.capacity:
+            self.reserve(kv_length)
+        offsets = torch.arange(new_tokens)
+        self._write_index = (lengths[:, None] + offsets).to(self.device)
+        self._rows, self._kv_length = rows, kv_length
+        return kv_length
+
+    def window(self) -> tuple[slice, torch.Tensor, int]:
+        if self._write_index is None:
+            raise RuntimeError("RaggedKVCache.set_window must be called before a forward pass")
+        return self._rows, self._write_index, self._kv_length
+
+    @torch.inference_mode()
+    def reserve(self, capacity: int) -> None:
+        """Grow every slot to hold ``capacity`` tokens (amortised by doubling)."""
+        if capacity <= self.capacity:
+            return
+        self.capacity = max(capacity, 2 * self.capacity)
+        for layer in self.layers:
+            layer.grow(self.capacity)
+
+    # --- after verification ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def commit(self, slot: int, accepted: list[int]) -> None:
+        """Keep the written entries at window offsets ``accepted`` (ascending) for ``slot``.
+
+        Entry ``accepted[i]`` moves to offset ``i``; the slot's length grows by ``len(accepted)``.
+        Only the moved entries are touched.
+        """
+        start = int(self.lengths[slot])
+        moved = [(i, a) for i, a in enumerate(accepted) if i != a]
+        if moved:
+            dst = torch.tensor([start + i for i, _ in moved], device=self.device)
+            src = torch.tensor([start + a for _, a in moved], device=self.device)
+            for layer in self.layers:
+                if layer.keys is not None:
+                    layer.keys[slot, :, dst] = layer.keys[slot, :, src]
+                    layer.values[slot, :, dst] = layer.values[slot, :, src]
+        self.lengths[slot] = start + len(accepted)
+
+    @torch.inference_mode()
+    def move_slot(self, src: int, dst: int) -> None:
+        """Copy a slot's committed entries into another slot (used when a batch compacts)."""
+        length = int(self.lengths[src])
+        for layer in self.layers:
+            if layer.keys is not None:
+                layer.keys[dst, :, :length] = layer.keys[src, :, :length]
+                layer.values[dst, :, :length] = layer.values[src, :, :length]
+        self.lengths[dst] = length
+        self.lengths[src] = 0
+
+    def reset_slot(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length()
+
+    @property
+    def is_compileable(self) -> bool:
+        return False

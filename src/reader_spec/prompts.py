@@ -1,0 +1,76 @@
+"""Turning what users pass (text, chat messages, token ids, JSONL lines) into prompt token ids."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
+
+Message = Mapping[str, str]
+Prompt = Union[str, Sequence[Message], Sequence[int]]
+
+
+class PromptError(ValueError):
+    """A prompt or input line that cannot be used; the message says which and why."""
+
+
+def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+    """Token ids for text (encoded as is), chat messages (chat template) or token ids (unchanged)."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise PromptError("empty prompt")
+        return list(tokenizer(prompt)["input_ids"])
+    if not isinstance(prompt, Sequence) or not prompt:
+        raise PromptError(f"a prompt must be text, chat messages or token ids, got {type(prompt).__name__}")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        vocab = len(tokenizer)
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise PromptError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return list(prompt)
+    if all(isinstance(m, Mapping) for m in prompt):
+        return _apply_chat_template(tokenizer, prompt)
+    raise PromptError("a prompt list must hold only token ids or only chat messages")
+
+
+def _apply_chat_template(tokenizer, messages: Sequence[Message]) -> list[int]:
+    for i, message in enumerate(messages):
+        if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+            raise PromptError(f"message {i} needs string 'role' and 'content' fields")
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptError("this model's tokenizer has no chat template; pass plain text instead")
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, Mapping):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+@dataclass(frozen=True)
+class InputRecord:
+    id: object
+    prompt: Prompt
+
+
+def read_jsonl(path: str | Path) -> Iterator[InputRecord]:
+    """Lines ``{"id": ..., "messages": [...]}`` or ``{"id": ..., "prompt": "..."}``; ids default to the line number."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise PromptError(f"{path}:{number}: expected a JSON object")
+            if "messages" in record:
+                prompt = record["messages"]
+                if not isinstance(prompt, list) or not all(isinstance(m, dict) for m in prompt):
+                    raise PromptError(f"{path}:{number}: 'messages' must be a list of objects")
+            elif isinstance(record.get("prompt"), str):
+                prompt = record["prompt"]
+            else:
+                raise PromptError(f"{path}:{number}: needs a 'messages' list or a 'prompt' string")
+            yield InputRecord(record.get("id", number), prompt)

@@ -1,0 +1,131 @@
+"""Runs the target model's own forward on ragged batches of draft trees.
+
+The model is called unchanged, with three things built here: a 4D additive attention mask (each
+new token sees its slot's committed context and its own ancestors), explicit position ids (context
+length plus depth) and the :class:`RaggedKVCache`. Models with sliding-window layers (Gemma 2/3,
+Mistral-style configs) get one mask per layer type, which their forward accepts as a mapping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from reader_spec.kv_cache import RaggedKVCache
+from reader_spec.tree import DraftTree
+
+PREFILL_CHUNK = 512
+"""Prompt tokens per prefill forward: bounds the mask and activation memory of long prompts."""
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def sliding_window_of(config) -> int | None:
+    """The sliding window size if any layer of this model uses local attention."""
+    config = text_config(config)
+    layer_types = getattr(config, "layer_types", None) or ()
+    window = getattr(config, "sliding_window", None)
+    if window and "sliding_attention" in layer_types:
+        return int(window)
+    return None
+
+
+def attention_mask(
+    lengths: torch.Tensor,
+    local_masks: Sequence[torch.Tensor],
+    positions: torch.Tensor,
+    kv_length: int,
+    dtype: torch.dtype,
+    sliding_window: int | None = None,
+) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Additive mask ``(batch, 1, width, kv_length)`` for new tokens written after each slot's context.
+
+    ``local_masks[b][i, j]`` says whether new token i of row b sees new token j; ``positions`` are
+    the new tokens' position ids (right-padded rows see only themselves).
+    """
+    batch, width = positions.shape
+    allowed = torch.zeros(batch, width, kv_length, dtype=torch.bool)
+    key_positions = torch.arange(kv_length).repeat(batch, 1)
+    pad = torch.arange(width)
+    for b, local in enumerate(local_masks):
+        start, n = int(lengths[b]), local.shape[0]
+        allowed[b, :n, :start] = True
+        allowed[b, :n, start : start + n] = local
+        allowed[b, pad[n:], start + pad[n:]] = True
+        key_positions[b, start : start + width] = positions[b]
+    masks = {"full_attention": allowed}
+    if sliding_window is not None:
+        distance = positions[:, :, None] - key_positions[:, None, :]
+        masks["sliding_attention"] = allowed & (distance < sliding_window)
+    additive = {
+        name: torch.zeros(m.shape, dtype=dtype).masked_fill_(~m, torch.finfo(dtype).min)[:, None]
+        for name, m in masks.items()
+    }
+    return additive if sliding_window is not None else additive["full_attention"]
+
+
+class ModelRunner:
+    """Owns the model and its ragged KV cache; turns prompts and trees into logits."""
+
+    def __init__(self, model: PreTrainedModel, num_slots: int, capacity: int):
+        self.model = model
+        self.device = model.device
+        self.dtype = model.dtype
+        self.sliding_window = sliding_window_of(model.config)
+        num_layers = text_config(model.config).num_hidden_layers
+        self.cache = RaggedKVCache(num_layers, num_slots, capacity, self.device)
+
+    @torch.inference_mode()
+    def verify(self, first_slot: int, trees: Sequence[DraftTree]) -> list[torch.Tensor]:
+        """One forward over one tree per slot ``first_slot + i``; returns each tree's logits.
+
+        Trees are right-padded to the largest. Everything is written past each slot's committed
+        length; the caller then commits the accepted nodes with ``cache.commit``.
+        """
+        width = max(len(tree) for tree in trees)
+        rows = slice(first_slot, first_slot + len(trees))
+        lengths = self.cache.lengths[rows]
+        input_ids = torch.zeros(len(trees), width, dtype=torch.long)
+        positions = lengths[:, None] + torch.arange(width)
+        for b, tree in enumerate(trees):
+            input_ids[b, : len(tree)] = torch.tensor(tree.tokens)
+            positions[b, : len(tree)] = lengths[b] + torch.tensor(tree.depths)
+        logits = self._forward(rows, input_ids, positions, [t.ancestor_mask() for t in trees], keep=0)
+        return [logits[b, : len(tree)] for b, tree in enumerate(trees)]
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, tokens: Sequence[int]) -> torch.Tensor:
+        """Fill an empty slot with a prompt, in chunks; returns the logits after its last token."""
+        self.cache.reset_slot(slot)
+        rows = slice(slot, slot + 1)
+        for start in range(0, len(tokens), PREFILL_CHUNK):
+            chunk = torch.tensor(tokens[start : start + PREFILL_CHUNK])[None]
+            n = chunk.shape[1]
+            causal = torch.ones(n, n, dtype=torch.bool).tril_()
+            positions = start + torch.arange(n)[None]
+            logits = self._forward(rows, chunk, positions, [causal], keep=1)
+            self.cache.lengths[slot] = start + n
+        return logits[0, -1]
+
+    def _forward(self, rows: slice, input_ids, positions, local_masks, keep: int) -> torch.Tensor:
+        kv_length = self.cache.set_window(rows, input_ids.shape[1])
+        mask = attention_mask(
+            self.cache.lengths[rows], local_masks, positions, kv_length, self.dtype, self.sliding_window
+        )
+        if isinstance(mask, dict):
+            mask = {name: m.to(self.device) for name, m in mask.items()}
+        else:
+            mask = mask.to(self.device)
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            position_ids=positions.to(self.device),
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        return out.logits.float()
