@@ -1,0 +1,65 @@
+import pytest
+
+from reader_spec.budget import CostModel, choose_width, fixed_width, load_costs, save_costs
+from reader_spec.tree import EMPTY_PROPOSAL, chain_proposal
+
+# Shaped like this machine's measured curve: 8 tokens cost ~1.8 plain steps.
+CURVE = {1: 0.042, 2: 0.043, 4: 0.061, 8: 0.076, 12: 0.080, 16: 0.084, 24: 0.09, 32: 0.10, 48: 0.125, 64: 0.15}
+
+
+def costs(scale_by_batch=None):
+    scale_by_batch = scale_by_batch or {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.0}
+    return CostModel({b: {w: t * s for w, t in CURVE.items()} for b, s in scale_by_batch.items()})
+
+
+def test_interpolates_widths_and_batches():
+    model = costs()
+    assert model.seconds(1, 8) == pytest.approx(0.076)
+    assert model.seconds(1, 10) == pytest.approx((0.076 + 0.080) / 2)
+    assert model.seconds(3, 1) == pytest.approx(0.042 * 2.0)  # halfway between batch 2 and 4
+
+
+def test_measures_lazily_and_persists(tmp_path):
+    calls = []
+    path = tmp_path / "c.json"
+    model = CostModel(measure=lambda b, w: calls.append((b, w)) or 0.01 * w, max_width=9, path=path)
+    assert model.seconds(2, 4) == pytest.approx(0.04)
+    assert {b for b, _ in calls} == {2} and max(w for _, w in calls) == 12
+    assert load_costs(path) == model.samples
+    model.seconds(2, 5)
+    assert len(calls) == 5  # widths 1, 2, 4, 8, 12 once each
+
+
+def test_corrupt_cost_file_is_ignored(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text("{not json")
+    assert load_costs(path) == {}
+    save_costs(path, {1: {1: 0.5}})
+    assert load_costs(path) == {1: {1: 0.5}}
+
+
+def test_weak_drafts_are_not_verified():
+    weak = chain_proposal(range(16), [0.01] * 16)
+    assert choose_width([weak], costs(), 17) == 1
+    assert choose_width([EMPTY_PROPOSAL], costs(), 17) == 1
+
+
+def test_sure_drafts_get_a_deep_tree():
+    sure = chain_proposal(range(16), [0.97 ** (i + 1) for i in range(16)])
+    assert choose_width([sure], costs(), 17) == 17
+    assert choose_width([sure], costs(), 5) == 5
+
+
+def test_width_chosen_maximises_expected_tokens_per_second():
+    probs = [0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05]
+    proposal = chain_proposal(range(7), probs)
+    model = costs()
+    width = choose_width([proposal], model, 8)
+    rates = {w: (1 + sum(probs[: w - 1])) / model.seconds(1, w) for w in range(1, 9)}
+    assert width == max(rates, key=rates.get)
+
+
+def test_fixed_width_uses_the_budget():
+    weak = chain_proposal(range(16), [0.05] * 16)
+    assert fixed_width([weak], costs(), 9) == 9
+    assert fixed_width([EMPTY_PROPOSAL], costs(), 9) == 1
