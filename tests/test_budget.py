@@ -4,7 +4,18 @@ from reader_spec.budget import CostModel, choose_width, fixed_width, load_costs,
 from reader_spec.tree import EMPTY_PROPOSAL, chain_proposal
 
 # Shaped like this machine's measured curve: 8 tokens cost ~1.8 plain steps.
-CURVE = {1: 0.042, 2: 0.043, 4: 0.061, 8: 0.076, 12: 0.080, 16: 0.084, 24: 0.09, 32: 0.10, 48: 0.125, 64: 0.15}
+CURVE = {
+    1: 0.042,
+    2: 0.043,
+    4: 0.061,
+    8: 0.076,
+    12: 0.080,
+    16: 0.084,
+    24: 0.09,
+    32: 0.10,
+    48: 0.125,
+    64: 0.15,
+}
 
 
 def costs(scale_by_batch=None):

@@ -9,13 +9,18 @@ from reader_spec.runner import ModelRunner, sliding_window_of
 from reader_spec.tree import DraftTree
 
 VOCAB = 64
-SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+SMALL = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2
+)
 CONFIGS = {
     "llama": lambda: LlamaConfig(**SMALL, num_hidden_layers=2),
     "qwen2": lambda: Qwen2Config(**SMALL, num_hidden_layers=2),
     # A window of 6 is far shorter than the contexts below, so the sliding layers really slide.
     "gemma3": lambda: Gemma3TextConfig(
-        **SMALL, num_hidden_layers=4, head_dim=8, sliding_window=6,
+        **SMALL,
+        num_hidden_layers=4,
+        head_dim=8,
+        sliding_window=6,
         layer_types=["sliding_attention", "full_attention"] * 2,
     ),
 }
@@ -83,7 +88,9 @@ def test_ragged_batch_matches_each_sequence_alone(model):
     lengths = [len(p) - 4 for p in prompts]
     for slot, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
         runner.prefill(slot, prompt[:n])
-    trees, paths = zip(*(random_tree_on_path(p[n:], rng) for p, n in zip(prompts, lengths, strict=True)), strict=True)
+    trees, paths = zip(
+        *(random_tree_on_path(p[n:], rng) for p, n in zip(prompts, lengths, strict=True)), strict=True
+    )
     logits = runner.verify(0, list(trees))
     for b in range(3):
         for depth, node in enumerate(paths[b]):

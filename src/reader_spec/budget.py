@@ -9,6 +9,7 @@ the tree width that maximises expected tokens per second for the whole batch.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -67,7 +68,7 @@ def _interpolate(curve: dict[int, float], width: int) -> float:
     widths = sorted(curve)
     if len(widths) == 1 or width <= widths[0]:
         return curve[widths[0]]
-    for lo, hi in zip(widths, widths[1:], strict=False):
+    for lo, hi in itertools.pairwise(widths):
         if width <= hi:
             return curve[lo] + (curve[hi] - curve[lo]) * (width - lo) / (hi - lo)
     lo, hi = widths[-2], widths[-1]

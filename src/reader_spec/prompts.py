@@ -6,10 +6,9 @@ import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 Message = Mapping[str, str]
-Prompt = Union[str, Sequence[Message], Sequence[int]]
+Prompt = str | Sequence[Message] | Sequence[int]
 
 
 class PromptError(ValueError):
@@ -54,7 +53,10 @@ class InputRecord:
 
 
 def read_jsonl(path: str | Path) -> Iterator[InputRecord]:
-    """Lines ``{"id": ..., "messages": [...]}`` or ``{"id": ..., "prompt": "..."}``; ids default to the line number."""
+    """Lines ``{"id": ..., "messages": [...]}`` or ``{"id": ..., "prompt": "..."}``.
+
+    Ids default to the line number.
+    """
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
