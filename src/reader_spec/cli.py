@@ -167,7 +167,8 @@ def _print_text(outputs: list[Output], summary: dict, baseline) -> None:
     if baseline is not None:
         print(
             f"plain:  {summary['baseline_tokens_per_second']:.1f} tok/s "
-            f"in {summary['baseline_seconds']:.2f} s; speedup {summary['speedup']:.2f}x; identical outputs {summary['identical']}/{len(outputs)}"
+            f"in {summary['baseline_seconds']:.2f} s; speedup {summary['speedup']:.2f}x; "
+            f"identical outputs {summary['identical']}/{len(outputs)}"
         )
 
 

@@ -1,0 +1,63 @@
+"""Shared fixtures: a tiny random Llama with a word-level tokenizer, and the default model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+from reader_spec.loading import LoadedModel, tokenizer_fingerprint
+
+TINY_VOCAB = 96
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}<assistant>"
+
+
+def make_tiny_tokenizer(vocab_size: int = TINY_VOCAB) -> PreTrainedTokenizerFast:
+    """Words ``w0 .. w{n-1}`` plus role markers, whitespace-split; ``w1`` is end-of-sequence."""
+    words = [f"w{i}" for i in range(vocab_size - 3)] + ["<user>", "<system>", "<assistant>"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="w1", unk_token="w0")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_tiny_llama(vocab_size: int = TINY_VOCAB, seed: int = 0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=1,
+        bos_token_id=0,
+    )
+    return AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def tiny() -> LoadedModel:
+    tokenizer = make_tiny_tokenizer()
+    return LoadedModel(make_tiny_llama(), tokenizer, "tiny-llama", tokenizer_fingerprint(tokenizer))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tiny):
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    tiny.model.save_pretrained(directory)
+    tiny.tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def smollm() -> LoadedModel:
+    """The default model (de-quantized once, then read from the weights cache)."""
+    from reader_spec.loading import load_model
+
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    return load_model()
