@@ -35,7 +35,7 @@ def test_missing_paths(path):
 
 
 def test_directory_without_config(tmp_path):
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         load_model(tmp_path)
 
 
