@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -20,6 +21,7 @@ from reader_spec.prompts import InputRecord, PromptError, read_jsonl
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    _quiet_libraries()
     try:
         return args.handler(args)
     except (ModelLoadError, PromptError, ValueError, OSError) as e:
@@ -27,6 +29,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _quiet_libraries() -> None:
+    """Keep the terminal for our own progress and results; say when a slow first load happens."""
+    import logging
+
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.basicConfig(format="reader: %(message)s")
+    logging.getLogger("reader_spec").setLevel(logging.INFO)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,6 +77,28 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(handler=_generate)
+
+    bench = commands.add_parser(
+        "bench",
+        help="measure methods side by side on Spec-Bench",
+        description="Run prompts through several decoding methods in one process and report speedups over "
+        "plain decoding (ar), mean accepted tokens per step and exactness, per category.",
+    )
+    bench.add_argument(
+        "--model", help="hub id, local directory or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
+    bench.add_argument(
+        "--suite", help="JSONL with question_id, category, turns (default: Spec-Bench, shipped)"
+    )
+    bench.add_argument("--categories", nargs="+", help="only these categories")
+    bench.add_argument("--limit", type=int, default=None, help="prompts per category (default: all)")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--methods", nargs="+", default=["ar", "reader"], help="from: ar, reader")
+    bench.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
+    bench.add_argument("--repeats", type=int, default=1, help="runs per prompt; the median time counts")
+    bench.add_argument("--budget", type=int, default=DEFAULT_BUDGET)
+    bench.add_argument("--out", help="directory for results.json and results.md")
+    bench.set_defaults(handler=_bench)
     return parser
 
 
@@ -95,6 +131,30 @@ def _generate(args: argparse.Namespace) -> int:
         print(json.dumps(_as_json(loaded.name, outputs, summary, baseline), ensure_ascii=False))
     else:
         _print_text(outputs, summary, baseline)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from reader_spec.bench import run_bench
+    from reader_spec.spec_bench import load_questions, per_category
+
+    if args.repeats < 1 or (args.limit is not None and args.limit < 1) or min(args.batch_sizes) < 1:
+        raise ValueError("--repeats, --limit and --batch-sizes must be positive")
+    questions = per_category(load_questions(args.suite), args.limit, args.categories)
+    loaded = load_model(args.model)
+    report = run_bench(
+        loaded,
+        questions,
+        args.methods,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        batch_sizes=args.batch_sizes,
+        budget=args.budget,
+    )
+    print(report.markdown())
+    if args.out:
+        report.save(Path(args.out))
+        print(f"\nwrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'results.md'}")
     return 0
 
 
