@@ -53,7 +53,8 @@ def assert_same_or_near_tie(smollm, prompts, questions, reference, outputs, labe
     for prompt, q, want, got in zip(prompts, questions, reference, outputs, strict=True):
         if want == got:
             continue
-        first = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got)))
+        pairs = enumerate(zip(want, got, strict=False))
+        first = next((i for i, (a, b) in pairs if a != b), min(len(want), len(got)))
         gap = top2_gap(smollm.model, prompt + want[:first])
         report = (
             f"{label}: question {q.id} ({q.category}) differs at token {first}, top-2 logit gap {gap:.2e}"
