@@ -22,6 +22,7 @@ pytestmark = pytest.mark.model
 NEAR_TIE = 1e-3
 CONFIG = GenerationConfig(max_new_tokens=128)
 NEAR_TIES: list[str] = []
+COMPARED: list[str] = []
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,7 @@ def top2_gap(model, tokens: list[int]) -> float:
 
 def assert_same_or_near_tie(smollm, prompts, questions, reference, outputs, label):
     mismatches = []
+    COMPARED.append(f"{label} ({len(outputs)} prompts)")
     for prompt, q, want, got in zip(prompts, questions, reference, outputs, strict=True):
         if want == got:
             continue

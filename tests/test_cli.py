@@ -1,0 +1,72 @@
+"""The ``reader`` command on a tiny saved model: JSON contract, comparison, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from reader_spec.cli import main
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("READER_SPEC_CACHE", str(tmp_path / "cache"))
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_json_with_compare(capsys, tiny_llama_dir, tmp_path):
+    lines = [
+        {"id": "a", "prompt": "w5 w6 w7 w5 w6 w7 w5 w6"},
+        {"id": 7, "messages": [{"role": "user", "content": "w9 w10 w9 w10"}]},
+        {"prompt": "w20 w21"},
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    code, out, _ = run(
+        capsys, "generate", "--model", str(tiny_llama_dir), "--input", str(path),
+        "--max-new-tokens", "12", "--batch-size", "2", "--compare", "--json",
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads(out)
+    assert [r["id"] for r in result["requests"]] == ["a", 7, 3]
+    for request in result["requests"]:
+        assert set(request) >= {"id", "tokens", "text", "seconds", "stats", "baseline"}
+        assert request["tokens"] == request["baseline"]["tokens"]
+        assert 1 <= len(request["tokens"]) <= 12
+        assert request["stats"]["mean_accepted"] >= 1.0
+    assert result["summary"]["identical"] == 3 and result["summary"]["speedup"] > 0
+
+
+def test_generate_text_output(capsys, tiny_llama_dir):
+    code, out, _ = run(
+        capsys, "generate", "--model", str(tiny_llama_dir), "--prompt", "w3 w4 w3 w4", "--max-new-tokens", "5"
+    )
+    assert code == 0
+    assert "=== 0 ===" in out and "tok/s" in out and "tokens/step" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "/no/such/model", "--prompt", "x"], "no such file or directory"),
+        (["--prompt", "x", "--batch-size", "0"], "--batch-size"),
+        (["--input", "/no/such/file.jsonl"], "No such file"),
+    ],
+)
+def test_errors_are_one_line_with_status_2(capsys, argv, message):
+    code, out, err = run(capsys, "generate", *argv)
+    assert code == 2
+    assert message in err and err.count("\n") == 1 and not out
+
+
+def test_malformed_input_line(capsys, tiny_llama_dir, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"id": 1, "prompt": "w3"}\n{"id": 2, "messages": "not a list"}\n')
+    code, _, err = run(capsys, "generate", "--model", str(tiny_llama_dir), "--input", str(path))
+    assert code == 2 and "bad.jsonl:2" in err and "messages" in err
