@@ -70,3 +70,37 @@ def test_malformed_input_line(capsys, tiny_llama_dir, tmp_path):
     path.write_text('{"id": 1, "prompt": "w3"}\n{"id": 2, "messages": "not a list"}\n')
     code, _, err = run(capsys, "generate", "--model", str(tiny_llama_dir), "--input", str(path))
     assert code == 2 and "bad.jsonl:2" in err and "messages" in err
+
+
+def test_sampling_settings_per_request_and_compare_draws_the_same(capsys, tiny_llama_dir, tmp_path):
+    lines = [
+        {"id": "greedy", "prompt": "w5 w6 w7 w5 w6 w7", "temperature": 0},
+        {"id": "hot", "prompt": "w5 w6 w7 w5 w6 w7", "temperature": 1.0, "seed": 4, "max_new_tokens": 6},
+        {"id": "unseeded", "prompt": "w9 w10 w9 w10"},
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    code, out, _ = run(
+        capsys, "generate", "--model", str(tiny_llama_dir), "--input", str(path), "--max-new-tokens", "10",
+        "--temperature", "0.8", "--top-p", "0.9", "--batch-size", "3", "--compare", "--json",
+    )  # fmt: skip
+    assert code == 0
+    requests = {r["id"]: r for r in json.loads(out)["requests"]}
+    assert len(requests["hot"]["tokens"]) <= 6 < len(requests["greedy"]["tokens"])
+    assert all(r["tokens"] == r["baseline"]["tokens"] for r in requests.values())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--temperature", "-1"], "temperature must be >= 0"), (["--top-p", "0"], "top_p must lie in (0, 1]")],
+)
+def test_invalid_sampling_settings_are_one_line_errors(capsys, tiny_llama_dir, argv, message):
+    code, out, err = run(capsys, "generate", "--model", str(tiny_llama_dir), "--prompt", "w3", *argv)
+    assert code == 2 and message in err and err.count("\n") == 1 and not out
+
+
+def test_invalid_setting_on_an_input_line_names_the_request(capsys, tiny_llama_dir, tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "x", "prompt": "w3", "top_p": 2}\n')
+    code, _, err = run(capsys, "generate", "--model", str(tiny_llama_dir), "--input", str(path))
+    assert code == 2 and "request 'x'" in err and "top_p" in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -189,3 +190,81 @@ def test_invalid_arguments(tiny):
         Engine(tiny).generate([[1, 2]], batch_size=0)
     with pytest.raises(ValueError):
         GenerationConfig(max_new_tokens=0)
+
+
+# --- sampling: seeded output depends only on the request and its seed ---------------------------------
+SAMPLED = [
+    GenerationConfig(max_new_tokens=40, eos_token_ids=(), temperature=0.7, top_p=0.9, seed=1),
+    GenerationConfig(max_new_tokens=40, eos_token_ids=(), temperature=1.0, top_p=0.9, seed=2),
+    GenerationConfig(
+        max_new_tokens=40, eos_token_ids=(), temperature=0.8, top_k=12, repetition_penalty=1.2, seed=3
+    ),
+]
+MIXED = [NO_EOS, *SAMPLED]
+"""Per-request settings for a mixed batch: one greedy request and three sampled ones."""
+
+
+def mixed_configs(count: int) -> list[GenerationConfig]:
+    return [MIXED[i % len(MIXED)] for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def plain_sampled(tiny, prompts):
+    return Engine(tiny).generate(prompts, mixed_configs(len(prompts)))
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.3])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_seeded_sampling_equals_plain_sampling_for_any_tree_and_batch(
+    tiny, prompts, plain_sampled, error_rate, batch_size
+):
+    references = [p + o.tokens for p, o in zip(prompts, plain_sampled, strict=True)]
+    engine = Engine(tiny, ScriptedDrafter(references, error_rate), budget=6, costs=FLAT_COSTS)
+    outputs = engine.generate(prompts, mixed_configs(len(prompts)), batch_size=batch_size)
+    assert [o.tokens for o in outputs] == [o.tokens for o in plain_sampled]
+    if error_rate == 0.0:
+        assert min(o.stats.mean_accepted for o in outputs) > 4
+
+
+def test_sampled_output_ignores_the_rest_of_the_batch(tiny, prompts, plain_sampled):
+    """The same request, batched with different companions and settings, emits the same tokens."""
+    target, config = prompts[1], SAMPLED[0]
+    expected = plain_sampled[1].tokens
+    engine = Engine(tiny, ContextDrafter(), budget=6, costs=FLAT_COSTS)
+    for companions in (prompts[2:5], prompts[5:9], [prompts[0]] * 3):
+        batch = [*companions[:1], target, *companions[1:]]
+        configs = [SAMPLED[2], config, *[NO_EOS] * (len(batch) - 2)]
+        outputs = engine.generate(batch, configs, batch_size=len(batch))
+        assert outputs[1].tokens == expected
+
+
+def test_sampling_depends_on_the_seed_and_is_fresh_without_one(tiny, prompts):
+    engine = Engine(tiny, ContextDrafter(), costs=FLAT_COSTS)
+    seeded = GenerationConfig(max_new_tokens=30, eos_token_ids=(), temperature=1.0, seed=5)
+    runs = [engine.generate([prompts[0]], seeded)[0].tokens for _ in range(2)]
+    other_seed = engine.generate([prompts[0]], replace(seeded, seed=6))[0].tokens
+    unseeded = GenerationConfig(max_new_tokens=30, eos_token_ids=(), temperature=1.0)
+    fresh = [engine.generate([prompts[0]], unseeded)[0].tokens for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert other_seed != runs[0]
+    assert fresh[0] != fresh[1]
+
+
+def test_greedy_with_repetition_penalty_equals_transformers(tiny, prompts):
+    config = GenerationConfig(max_new_tokens=30, eos_token_ids=(), repetition_penalty=1.3)
+    outputs = Engine(tiny, ContextDrafter(), costs=FLAT_COSTS).generate(prompts[:4], config, batch_size=2)
+    for prompt, output in zip(prompts[:4], outputs, strict=True):
+        reference = tiny.model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=30,
+            do_sample=False,
+            repetition_penalty=1.3,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        assert output.tokens == reference
+
+
+def test_per_request_configs_must_match_the_prompts(tiny, prompts):
+    with pytest.raises(ValueError, match="2 generation configs for 3 prompts"):
+        Engine(tiny).generate(prompts[:3], [NO_EOS, NO_EOS])

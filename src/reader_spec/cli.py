@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -61,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _add_sampling_options(gen)
     gen.add_argument("--batch-size", type=int, default=1, help="requests decoded together (default 1)")
     gen.add_argument(
         "--budget",
@@ -102,6 +105,38 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "sampling", "exact sampling of the model's distribution; input lines may override each setting"
+    )
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy decoding (default)")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top one")
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--seed", type=int, help="makes sampled output reproducible, whatever the drafter")
+
+
+def _request_configs(args: argparse.Namespace, records: list[InputRecord]) -> list[GenerationConfig]:
+    base = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        stop_strings=tuple(args.stop),
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
+    configs = []
+    for record in records:
+        try:
+            configs.append(replace(base, **record.settings))
+        except (TypeError, ValueError) as e:
+            raise PromptError(f"request {record.id!r}: {e}") from None
+    return configs
+
+
 def _generate(args: argparse.Namespace) -> int:
     if args.input:
         records = list(read_jsonl(args.input))
@@ -110,7 +145,12 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
         records = [InputRecord(0, prompt)]
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop))
+    config = _request_configs(args, records)
+    if args.compare:
+        # Plain and speculative runs must draw the same randomness to be comparable token for token.
+        config = [
+            c if c.greedy or c.seed is not None else replace(c, seed=secrets.randbits(63)) for c in config
+        ]
     if args.batch_size < 1:
         raise ValueError("--batch-size must be at least 1")
     loaded = load_model(args.model)

@@ -4,19 +4,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+"""Settings a request may override one by one (the names transformers and the OpenAI API use)."""
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """What to generate for one request.
+    """What to generate for one request, and how to pick each token.
 
     ``eos_token_ids=None`` uses the model's own end-of-sequence tokens; an empty tuple never stops
     on a token. Output never goes past ``max_new_tokens``, an end-of-sequence token (kept as the last
     token) or the end of a stop string (the text is cut before it), even when a draft tree accepted more.
+
+    Token choice follows transformers' order: repetition penalty, temperature, top-k, top-p, min-p.
+    ``temperature=0`` is greedy decoding. With a ``seed`` the output depends only on the request and
+    the seed, never on the drafter or the batch; without one every run draws fresh randomness.
     """
 
     max_new_tokens: int = 128
     stop_strings: tuple[str, ...] = ()
     eos_token_ids: tuple[int, ...] | None = None
+    temperature: float = 0.0
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -28,3 +42,36 @@ class GenerationConfig:
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
         if self.eos_token_ids is not None:
             object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature must be >= 0", self)
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer >= 0", self)
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p must lie in (0, 1]", self)
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p must lie in [0, 1]", self)
+        _check(
+            _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty must be > 0",
+            self,
+        )
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**64),
+            "seed must be an integer in [0, 2**64)",
+            self,
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with untouched logits: the argmax of every node can be taken in one batched call."""
+        return self.greedy and self.repetition_penalty == 1
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value
+
+
+def _check(ok: bool, message: str, config: GenerationConfig) -> None:
+    if not ok:
+        field = message.split()[0]
+        raise ValueError(f"{message}, got {getattr(config, field)!r}")

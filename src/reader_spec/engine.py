@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from reader_spec.acceptance import AcceptanceRule, GreedyRule
+from reader_spec.acceptance import AcceptanceRule, rule_for
 from reader_spec.budget import (
     PROBE_CONTEXT,
     CostModel,
@@ -140,7 +140,7 @@ class Engine:
     def generate(
         self,
         prompts: Sequence[Prompt],
-        config: GenerationConfig | None = None,
+        config: GenerationConfig | Sequence[GenerationConfig] | None = None,
         *,
         batch_size: int = 1,
         ids: Sequence[object] | None = None,
@@ -149,28 +149,27 @@ class Engine:
         """Generate for every prompt; returns outputs in input order.
 
         A prompt is text, a list of chat messages (run through the chat template) or token ids.
-        Up to ``batch_size`` requests are decoded together; a finished request's slot goes to the
-        next waiting one.
+        ``config`` is one setting for all requests or one per request (a greedy request and a
+        sampled one may share a batch). Up to ``batch_size`` requests are decoded together; a
+        finished request's slot goes to the next waiting one.
         """
-        config = config or GenerationConfig()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
+        configs = _per_request(config, len(encoded))
         ids = list(range(len(encoded))) if ids is None else list(ids)
         if len(ids) != len(encoded):
             raise ValueError("ids and prompts must have the same length")
-        stop = self._stop_criteria(config)
-        waiting = deque(zip(ids, encoded, strict=True))
+        waiting = deque(zip(ids, encoded, configs, strict=True))
         results: dict[int, Output] = {}
         order = {}
         active: list[_Sequence] = []
-        runner = self._ensure_runner(
-            batch_size, max((len(e) for e in encoded), default=1) + config.max_new_tokens + self.budget + 2
-        )
+        longest = max((len(e) + c.max_new_tokens for e, c in zip(encoded, configs, strict=True)), default=1)
+        runner = self._ensure_runner(batch_size, longest + self.budget + 2)
         while waiting or active:
             while waiting and len(active) < batch_size:
-                request_id, tokens = waiting.popleft()
-                seq = self._admit(runner, len(active), request_id, tokens, stop)
+                request_id, tokens, request_config = waiting.popleft()
+                seq = self._admit(runner, len(active), request_id, tokens, request_config)
                 order[seq.index] = len(order)
                 active.append(seq)
             self._step(runner, active)
@@ -184,15 +183,17 @@ class Engine:
         return [results[i] for i in range(len(results))]
 
     # --- the loop --------------------------------------------------------------------------------
-    def _admit(self, runner: ModelRunner, slot: int, request_id, tokens: list[int], stop) -> _Sequence:
+    def _admit(
+        self, runner: ModelRunner, slot: int, request_id, tokens: list[int], config: GenerationConfig
+    ) -> _Sequence:
         started = time.perf_counter()
         seq = _Sequence(
             index=next(self._ids),
             request_id=request_id,
             history=list(tokens),
             prompt_length=len(tokens),
-            stop=stop,
-            rule=GreedyRule(),
+            stop=self._stop_criteria(config),
+            rule=rule_for(config),
             stats=RequestStats(prompt_tokens=len(tokens)),
             started=started,
         )
@@ -298,6 +299,19 @@ def _probe_verify(model, batch: int, width: int) -> float:
         probe.prefill(slot, context)
     chain = DraftTree(context[:width], list(range(-1, width - 1)))
     return time_call(lambda: probe.verify(0, [chain] * batch))
+
+
+def _per_request(
+    config: GenerationConfig | Sequence[GenerationConfig] | None, count: int
+) -> list[GenerationConfig]:
+    if config is None or isinstance(config, GenerationConfig):
+        return [config or GenerationConfig()] * count
+    configs = list(config)
+    if len(configs) != count:
+        raise ValueError(f"got {len(configs)} generation configs for {count} prompts")
+    if not all(isinstance(c, GenerationConfig) for c in configs):
+        raise TypeError("config must be a GenerationConfig or a sequence of them")
+    return configs
 
 
 def _model_eos_ids(model, tokenizer) -> tuple[int, ...]:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from reader_spec.config import SAMPLING_FIELDS
 
 Message = Mapping[str, str]
 Prompt = str | Sequence[Message] | Sequence[int]
+REQUEST_SETTINGS = ("max_new_tokens", *SAMPLING_FIELDS)
 
 
 class PromptError(ValueError):
@@ -50,12 +53,15 @@ def _apply_chat_template(tokenizer, messages: Sequence[Message]) -> list[int]:
 class InputRecord:
     id: object
     prompt: Prompt
+    settings: dict = field(default_factory=dict)
+    """Per-request overrides of generation settings (``temperature``, ``seed``, ``max_new_tokens``...)."""
 
 
 def read_jsonl(path: str | Path) -> Iterator[InputRecord]:
     """Lines ``{"id": ..., "messages": [...]}`` or ``{"id": ..., "prompt": "..."}``.
 
-    Ids default to the line number.
+    Ids default to the line number. A line may also carry its own generation settings
+    (``max_new_tokens`` and the sampling settings of ``GenerationConfig``).
     """
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -75,4 +81,5 @@ def read_jsonl(path: str | Path) -> Iterator[InputRecord]:
                 prompt = record["prompt"]
             else:
                 raise PromptError(f"{path}:{number}: needs a 'messages' list or a 'prompt' string")
-            yield InputRecord(record.get("id", number), prompt)
+            settings = {k: record[k] for k in REQUEST_SETTINGS if k in record}
+            yield InputRecord(record.get("id", number), prompt, settings)
