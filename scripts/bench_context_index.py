@@ -18,7 +18,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 
-from reader_spec.drafters.context import ContextDrafter
+from reader_spec.drafters import ReaderDrafter
 from reader_spec.tree import DraftTree
 
 VOCAB = 49_152
@@ -59,7 +59,7 @@ def summary_ms(samples_ns: list[int]) -> str:
 def bench_build(prompt: list[int], repeats: int) -> list[int]:
     times = []
     for i in range(repeats):
-        drafter = ContextDrafter()
+        drafter = ReaderDrafter()
         start = time.perf_counter_ns()
         drafter.begin(i, prompt)
         times.append(time.perf_counter_ns() - start)
@@ -74,7 +74,7 @@ def accepted_length(proposal_tokens: tuple[int, ...], parents: tuple[int, ...], 
 
 
 def bench_decode(prompt: list[int], output: list[int], max_nodes: int) -> dict[str, object]:
-    drafter = ContextDrafter()
+    drafter = ReaderDrafter()
     drafter.begin("r", prompt)
     hit_ns, miss_ns, extend_ns, expected, accepted = [], [], [], [], []
     position = 0

@@ -10,7 +10,7 @@ import torch
 
 from reader_spec.budget import CostModel
 from reader_spec.config import GenerationConfig
-from reader_spec.drafters import ContextDrafter
+from reader_spec.drafters import ReaderDrafter
 from reader_spec.engine import Engine
 from reader_spec.tree import EMPTY_PROPOSAL, Proposal, chain_proposal
 
@@ -45,7 +45,7 @@ class ScriptedDrafter:
         self.texts[request].extend(tokens)
 
     def observe(self, request, proposal, accepted):
-        assert 0 <= accepted <= len(proposal)
+        assert all(0 <= node < len(proposal) for node in accepted)
 
     def end(self, request):
         del self.texts[request]
@@ -90,11 +90,14 @@ def test_plain_engine_equals_transformers_generate(tiny, prompts, plain_outputs)
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 def test_context_drafter_is_exact_at_any_batch_size(tiny, prompts, plain_outputs, batch_size):
-    engine = Engine(tiny, ContextDrafter(), budget=8, costs=FLAT_COSTS)
+    engine = Engine(tiny, ReaderDrafter(), budget=8, costs=FLAT_COSTS)
     outputs = engine.generate(prompts, NO_EOS, batch_size=batch_size)
     assert [o.tokens for o in outputs] == [o.tokens for o in plain_outputs]
     # The test only means something if drafts were verified and some were accepted.
     assert sum(o.stats.accepted for o in outputs) > 20
+    for o in outputs:  # every accepted token is credited to the source that proposed it
+        assert sum(o.stats.accepted_by_source.values()) == o.stats.accepted
+        assert set(o.stats.accepted_by_source) <= {"context", "history"}
 
 
 @pytest.mark.parametrize("error_rate", [0.0, 0.3, 1.0])
@@ -149,7 +152,7 @@ def test_stop_string_cuts_text_and_tokens(tiny, prompts, plain_outputs):
     stop = tiny.tokenizer.decode([stop_token])
     first = plain.tokens.index(stop_token)
     config = GenerationConfig(max_new_tokens=40, eos_token_ids=(), stop_strings=(stop,))
-    out = Engine(tiny, ContextDrafter(), costs=FLAT_COSTS).generate([prompts[0]], config)[0]
+    out = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS).generate([prompts[0]], config)[0]
     assert out.finish_reason == "stop"
     assert out.tokens == plain.tokens[: first + 1]
     assert stop not in out.text
@@ -157,9 +160,7 @@ def test_stop_string_cuts_text_and_tokens(tiny, prompts, plain_outputs):
 
 def test_more_prompts_than_slots_keep_input_order(tiny, prompts, plain_outputs):
     ids = [f"r{i}" for i in range(len(prompts))]
-    outputs = Engine(tiny, ContextDrafter(), costs=FLAT_COSTS).generate(
-        prompts, NO_EOS, batch_size=2, ids=ids
-    )
+    outputs = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS).generate(prompts, NO_EOS, batch_size=2, ids=ids)
     assert [o.id for o in outputs] == ids
     assert [o.tokens for o in outputs] == [o.tokens for o in plain_outputs]
 
@@ -174,7 +175,7 @@ def test_weak_drafts_are_not_verified(tiny, prompts, plain_outputs):
 
 
 def test_single_token_prompt_and_text_and_chat_prompts(tiny):
-    engine = Engine(tiny, ContextDrafter(), costs=FLAT_COSTS)
+    engine = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS)
     config = GenerationConfig(max_new_tokens=5, eos_token_ids=())
     single = engine.generate([[7]], config)[0]
     text = engine.generate(["w7"], config)[0]
@@ -230,7 +231,7 @@ def test_sampled_output_ignores_the_rest_of_the_batch(tiny, prompts, plain_sampl
     """The same request, batched with different companions and settings, emits the same tokens."""
     target, config = prompts[1], SAMPLED[0]
     expected = plain_sampled[1].tokens
-    engine = Engine(tiny, ContextDrafter(), budget=6, costs=FLAT_COSTS)
+    engine = Engine(tiny, ReaderDrafter(), budget=6, costs=FLAT_COSTS)
     for companions in (prompts[2:5], prompts[5:9], [prompts[0]] * 3):
         batch = [*companions[:1], target, *companions[1:]]
         configs = [SAMPLED[2], config, *[NO_EOS] * (len(batch) - 2)]
@@ -239,7 +240,7 @@ def test_sampled_output_ignores_the_rest_of_the_batch(tiny, prompts, plain_sampl
 
 
 def test_sampling_depends_on_the_seed_and_is_fresh_without_one(tiny, prompts):
-    engine = Engine(tiny, ContextDrafter(), costs=FLAT_COSTS)
+    engine = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS)
     seeded = GenerationConfig(max_new_tokens=30, eos_token_ids=(), temperature=1.0, seed=5)
     runs = [engine.generate([prompts[0]], seeded)[0].tokens for _ in range(2)]
     other_seed = engine.generate([prompts[0]], replace(seeded, seed=6))[0].tokens
@@ -252,7 +253,7 @@ def test_sampling_depends_on_the_seed_and_is_fresh_without_one(tiny, prompts):
 
 def test_greedy_with_repetition_penalty_equals_transformers(tiny, prompts):
     config = GenerationConfig(max_new_tokens=30, eos_token_ids=(), repetition_penalty=1.3)
-    outputs = Engine(tiny, ContextDrafter(), costs=FLAT_COSTS).generate(prompts[:4], config, batch_size=2)
+    outputs = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS).generate(prompts[:4], config, batch_size=2)
     for prompt, output in zip(prompts[:4], outputs, strict=True):
         reference = tiny.model.generate(
             torch.tensor([prompt]),

@@ -1,13 +1,12 @@
 """reader-spec: lossless speculative decoding with retrieval drafts and tree verification."""
 
 from reader_spec.config import GenerationConfig
-from reader_spec.drafters import ContextDrafter, Drafter
+from reader_spec.drafters import Drafter, ReaderDrafter
 from reader_spec.engine import Engine, Output, RequestStats
 from reader_spec.loading import LoadedModel, ModelLoadError, load_model
 from reader_spec.tree import DraftTree, Proposal
 
 __all__ = [
-    "ContextDrafter",
     "DraftTree",
     "Drafter",
     "Engine",
@@ -16,6 +15,7 @@ __all__ = [
     "ModelLoadError",
     "Output",
     "Proposal",
+    "ReaderDrafter",
     "RequestStats",
     "load_model",
 ]

@@ -24,7 +24,7 @@ import transformers
 from tqdm import tqdm
 
 from reader_spec.config import GenerationConfig
-from reader_spec.drafters import ContextDrafter
+from reader_spec.drafters import ReaderDrafter
 from reader_spec.engine import DEFAULT_BUDGET, Engine, Output
 from reader_spec.loading import LoadedModel
 from reader_spec.prompts import encode_prompt
@@ -34,7 +34,7 @@ MethodFactory = Callable[[LoadedModel, int], Engine]
 
 METHODS: dict[str, MethodFactory] = {
     "ar": lambda loaded, budget: Engine(loaded),
-    "reader": lambda loaded, budget: Engine(loaded, ContextDrafter(), budget=budget),
+    "reader": lambda loaded, budget: Engine(loaded, ReaderDrafter(), budget=budget),
 }
 """Methods of this engine; ``ar`` is the reference for speed and exactness."""
 

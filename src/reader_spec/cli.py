@@ -14,7 +14,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from reader_spec.config import GenerationConfig
-from reader_spec.drafters import ContextDrafter
+from reader_spec.drafters import ReaderDrafter
 from reader_spec.engine import DEFAULT_BUDGET, Engine, Output
 from reader_spec.loading import ModelLoadError, load_model
 from reader_spec.prompts import InputRecord, PromptError, read_jsonl
@@ -154,7 +154,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ValueError("--batch-size must be at least 1")
     loaded = load_model(args.model)
-    drafter = ContextDrafter() if args.drafter == "context" else None
+    drafter = ReaderDrafter() if args.drafter == "context" else None
     engine = Engine(loaded, drafter, budget=args.budget, adaptive_budget=not args.fixed_budget)
     engine.warm_up(args.batch_size)
     prompts = [r.prompt for r in records]

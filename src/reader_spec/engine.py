@@ -52,6 +52,8 @@ class RequestStats:
     """Tokens emitted by those passes (excludes the first token, which comes from prefill)."""
     drafted: int = 0
     accepted: int = 0
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
+    """Accepted draft tokens by the source that proposed them (for a merged node, its likeliest one)."""
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -232,10 +234,13 @@ class Engine:
             stats.new_tokens += len(kept)
             stats.drafted += len(proposal)
             stats.accepted += len(path) - 1
+            for node in path[1:]:
+                source = proposal.sources[node - 1] if proposal.sources else "draft"
+                stats.accepted_by_source[source] = stats.accepted_by_source.get(source, 0) + 1
             stats.draft_seconds += drafted - started
             stats.verify_seconds += verified - drafted
             if self.drafter is not None:
-                self.drafter.observe(seq.index, proposal, len(path) - 1)
+                self.drafter.observe(seq.index, proposal, [node - 1 for node in path[1:]])
                 self.drafter.extend(seq.index, kept)
 
     def _retire(self, runner: ModelRunner, active: list[_Sequence], slot: int) -> Output:

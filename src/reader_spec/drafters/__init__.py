@@ -1,6 +1,7 @@
 """Drafters: cheap proposers of continuations for the target model to verify."""
 
 from reader_spec.drafters.base import Drafter
-from reader_spec.drafters.context import ContextDrafter
+from reader_spec.drafters.history import ResponseHistory
+from reader_spec.drafters.reader import ReaderDrafter
 
-__all__ = ["ContextDrafter", "Drafter"]
+__all__ = ["Drafter", "ReaderDrafter", "ResponseHistory"]

@@ -26,8 +26,8 @@ class Drafter(Protocol):
     def propose(self, request: Hashable, max_nodes: int) -> Proposal:
         """At most ``max_nodes`` nodes continuing the request's text, best first."""
 
-    def observe(self, request: Hashable, proposal: Proposal, accepted: int) -> None:
-        """Feedback after verification: ``accepted`` of the verified ``proposal``'s nodes were kept.
+    def observe(self, request: Hashable, proposal: Proposal, accepted: Sequence[int]) -> None:
+        """Feedback after verification of ``proposal``: ``accepted`` are the kept nodes' indices, root first.
 
         Budgets trust the drafter's path probabilities, so drafters use this to keep them calibrated.
         """

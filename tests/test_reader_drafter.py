@@ -1,4 +1,4 @@
-"""ContextDrafter and its parts: index exactness, best-first trees, calibration from feedback."""
+"""ReaderDrafter and its parts: index exactness, best-first trees, calibration from feedback."""
 
 from __future__ import annotations
 
@@ -9,16 +9,15 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
-from reader_spec.drafters.base import Drafter
-from reader_spec.drafters.context import (
-    SOURCE,
+from reader_spec.drafters import Drafter, ReaderDrafter
+from reader_spec.drafters.search import (
     AcceptanceCalibrator,
-    ContextDrafter,
     Match,
+    SourceTrie,
     SuffixIndex,
     build_continuation_trie,
+    calibration_trials,
     select_best_first,
-    verification_trials,
 )
 from reader_spec.tree import EMPTY_PROPOSAL, Proposal
 
@@ -31,7 +30,7 @@ def check_tree(proposal: Proposal) -> None:
     for i, parent in enumerate(proposal.parents):
         if parent >= 0:
             assert proposal.probs[i] <= proposal.probs[parent]
-    assert set(proposal.sources) <= {SOURCE}
+    assert set(proposal.sources) <= {"context", "history", "datastore"}
 
 
 def path_of(proposal: Proposal, node: int) -> tuple[int, ...]:
@@ -83,14 +82,15 @@ def random_stream(rng: random.Random, length: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(length)]
 
 
-def started(prompt: list[int], **kwargs) -> ContextDrafter:
-    drafter = ContextDrafter(**kwargs)
+def started(prompt: list[int], **kwargs) -> ReaderDrafter:
+    """A drafter on the request's own text only, tracking request "r"."""
+    drafter = ReaderDrafter(**{"history_tokens": 0, **kwargs})
     drafter.begin("r", prompt)
     return drafter
 
 
 def test_implements_drafter_protocol() -> None:
-    assert isinstance(ContextDrafter(), Drafter)
+    assert isinstance(ReaderDrafter(), Drafter)
 
 
 def test_repeated_text_continues_as_a_chain() -> None:
@@ -98,7 +98,7 @@ def test_repeated_text_continues_as_a_chain() -> None:
     proposal = started(text).propose("r", 5)
     assert proposal.tokens == (13, 14, 15, 16, 17)
     assert proposal.parents == (-1, 0, 1, 2, 3)
-    assert proposal.sources == (SOURCE,) * 5
+    assert proposal.sources == ("context",) * 5
     check_tree(proposal)
 
 
@@ -118,7 +118,7 @@ def test_counts_rank_branches_and_set_their_ratio() -> None:
     roots = [i for i, p in enumerate(proposal.parents) if p == -1]
     assert [proposal.tokens[i] for i in roots] == [3, 4]
     assert proposal.probs[roots[0]] / proposal.probs[roots[1]] == pytest.approx(3.0)
-    assert proposal.probs[roots[0]] == pytest.approx(0.75 * drafter.calibrator.confidence(2))
+    assert proposal.probs[roots[0]] == pytest.approx(0.75 * drafter.calibrators["context"].confidence(2))
 
 
 def test_no_repetition_gives_an_empty_proposal() -> None:
@@ -171,14 +171,14 @@ def test_incremental_extension_equals_rebuilding() -> None:
         text = random_stream(rng, rng.randrange(1, 120), vocab)
         max_ngram = rng.choice([1, 2, 4, 12])
         split = rng.randrange(len(text) + 1)
-        incremental = ContextDrafter(max_ngram=max_ngram)
+        incremental = ReaderDrafter(max_ngram=max_ngram)
         incremental.begin(case, text[:split])
         position = split
         while position < len(text):
             step = rng.randrange(1, 6)
             incremental.extend(case, text[position : position + step])
             position += step
-        rebuilt = ContextDrafter(max_ngram=max_ngram)
+        rebuilt = ReaderDrafter(max_ngram=max_ngram)
         rebuilt.begin(case, text)
         max_nodes = rng.choice([1, 8, 40])
         assert incremental.propose(case, max_nodes) == rebuilt.propose(case, max_nodes), case
@@ -229,7 +229,7 @@ def test_proposal_is_the_top_of_brute_force_path_probabilities() -> None:
             assert proposal is EMPTY_PROPOSAL
             continue
         continuations = [text[q + 1 : q + 1 + max_depth] for q in ends[:max_occurrences]]
-        confidence = [drafter.calibrator.confidence(length + d) for d in range(max_depth)]
+        confidence = [drafter.calibrators["context"].confidence(length + d) for d in range(max_depth)]
         expected = brute_path_probs(continuations, confidence)
         check_tree(proposal)
         assert len(proposal) == min(max_nodes, len(expected))
@@ -241,26 +241,38 @@ def test_proposal_is_the_top_of_brute_force_path_probabilities() -> None:
 
 def test_best_first_selection_of_weighted_continuations() -> None:
     trie = build_continuation_trie([([1, 2], 3.0), ([1, 3], 1.0), ([4], 4.0), ([5, 6], 0.0)])
-    proposal = select_best_first(trie, [1.0, 0.5], max_nodes=10, source="corpus")
+    proposal = select_best_first([SourceTrie("corpus", 2, trie, [1.0, 0.5])], max_nodes=10)
     # Root children: 1 and 4 share 4/8 each ("5 6" carries no weight); below 1: 2 (3/4) and 3 (1/4), halved.
     assert proposal.tokens == (1, 4, 2, 3)
     assert proposal.parents == (-1, -1, 0, 0)
     assert proposal.probs == pytest.approx((0.5, 0.5, 0.1875, 0.0625))
     assert proposal.sources == ("corpus",) * 4
-    assert select_best_first(trie, [1.0, 0.5], max_nodes=0) is EMPTY_PROPOSAL
-    assert select_best_first(build_continuation_trie([]), [1.0], max_nodes=4) is EMPTY_PROPOSAL
-    assert select_best_first(build_continuation_trie([([1], 0.0)]), [1.0], max_nodes=4) is EMPTY_PROPOSAL
-    assert select_best_first(trie, [0.0, 0.5], max_nodes=4) is EMPTY_PROPOSAL  # zero probability: nothing
+
+    def only(trie, confidence):
+        return [SourceTrie("corpus", 2, trie, confidence)]
+
+    assert select_best_first(only(trie, [1.0, 0.5]), max_nodes=0) is EMPTY_PROPOSAL
+    assert select_best_first([], max_nodes=4) is EMPTY_PROPOSAL
+    assert select_best_first(only(build_continuation_trie([]), [1.0]), max_nodes=4) is EMPTY_PROPOSAL
+    assert select_best_first(only(build_continuation_trie([([1], 0.0)]), [1.0]), 4) is EMPTY_PROPOSAL
+    assert select_best_first(only(trie, [0.0, 0.5]), max_nodes=4) is EMPTY_PROPOSAL  # zero probability
 
 
-def test_verification_trials_only_count_attributable_levels() -> None:
+def test_calibration_trials_follow_the_accepted_path() -> None:
     chain = Proposal((1, 2, 3), (-1, 0, 1), (0.5, 0.4, 0.3))
-    assert verification_trials(chain, [1.0, 1.0, 0.5], 1) == [(1, True, 1.0), (2, False, 1.0)]
-    assert verification_trials(chain, [1.0, 1.0, 0.5], 3) == [(1, True, 1.0), (2, True, 1.0), (3, True, 0.5)]
+    assert calibration_trials(chain, [1.0, 1.0, 0.5], [0]) == [(1, True, 1.0), (2, False, 1.0)]
+    assert calibration_trials(chain, [1.0, 1.0, 0.5], [0, 1, 2]) == [
+        (1, True, 1.0),
+        (2, True, 1.0),
+        (3, True, 0.5),
+    ]
     tree = Proposal((1, 4, 2), (-1, -1, 0), (0.5, 0.2, 0.3))
-    # Two nodes at depth 1: which one was accepted is unknown, so depth 2 is no trial.
-    assert verification_trials(tree, [0.75, 0.25, 1.0], 2) == [(1, True, 1.0)]
-    assert verification_trials(tree, [0.75, 0.25, 1.0], 0) == [(1, False, 1.0)]
+    # Both root children were tested; the one accepted decides which children were tested next.
+    assert calibration_trials(tree, [0.75, 0.25, 1.0], [0, 2]) == [(1, True, 1.0), (2, True, 1.0)]
+    assert calibration_trials(tree, [0.75, 0.25, 1.0], [1]) == [(1, True, 1.0)]
+    assert calibration_trials(tree, [0.75, 0.25, 1.0], []) == [(1, False, 1.0)]
+    # A source that proposed only node 1 (token 4) scores a miss when node 0 was accepted.
+    assert calibration_trials(tree, [0.0, 0.5, 0.0], [0, 2]) == [(1, False, 0.5)]
 
 
 def test_calibration_learns_from_rejections_and_acceptances() -> None:
@@ -269,9 +281,9 @@ def test_calibration_learns_from_rejections_and_acceptances() -> None:
     first = rejected.propose("r", 4).probs
     for _ in range(30):
         proposal = rejected.propose("r", 4)
-        rejected.observe("r", proposal, 0)
+        rejected.observe("r", proposal, [])
         proposal = accepted.propose("r", 4)
-        accepted.observe("r", proposal, len(proposal))
+        accepted.observe("r", proposal, list(range(len(proposal))))
     low, high = rejected.propose("r", 4).probs, accepted.propose("r", 4).probs
     assert low[0] < 0.15 * first[0]
     assert high[0] > 0.85 and all(h > f for h, f in zip(high, first, strict=True))
@@ -280,14 +292,14 @@ def test_calibration_learns_from_rejections_and_acceptances() -> None:
 def test_calibration_uses_truncated_feedback_and_ignores_foreign_proposals() -> None:
     text = [10, 11, 12, 13, 14, 15, 16, 17, 10, 11, 12]
     drafter = started(text)
-    before = drafter.calibrator.confidence(3)
-    drafter.observe("r", Proposal((13,), (-1,), (0.9,)), 1)  # not this drafter's proposal
+    before = drafter.calibrators["context"].confidence(3)
+    drafter.observe("r", Proposal((13,), (-1,), (0.9,)), [0])  # not this drafter's proposal
     proposal = drafter.propose("r", 4)
-    drafter.observe("r", proposal.truncated(2), 2)  # the engine verified only two nodes
-    drafter.observe("r", proposal, 4)  # feedback already consumed: ignored
+    drafter.observe("r", proposal.truncated(2), [0, 1])  # the engine verified only two nodes
+    drafter.observe("r", proposal, [0, 1, 2, 3])  # feedback already consumed: ignored
     # Two trials: depth 1 at match length 3 and depth 2 at match length 4, both hits.
-    assert drafter.calibrator.confidence(3) == pytest.approx((before * 4 + 1) / 5)
-    assert drafter.calibrator.confidence(4) == pytest.approx((0.5 * 4 + 1) / 5)
+    assert drafter.calibrators["context"].confidence(3) == pytest.approx((before * 4 + 1) / 5)
+    assert drafter.calibrators["context"].confidence(4) == pytest.approx((0.5 * 4 + 1) / 5)
 
 
 def test_calibrator_estimator() -> None:
@@ -299,7 +311,7 @@ def test_calibrator_estimator() -> None:
 
 
 def test_requests_are_independent_and_end_forgets() -> None:
-    drafter = ContextDrafter()
+    drafter = ReaderDrafter()
     drafter.begin("a", [1, 2, 3, 1, 2])
     drafter.begin("b", [5, 6, 7, 8])
     assert drafter.propose("a", 1).tokens == (3,)
@@ -328,7 +340,74 @@ def test_probabilities_stay_valid_for_long_deep_matches() -> None:
     drafter = started(text)
     for _ in range(50):  # drive the confidence for long matches above 1/share
         proposal = drafter.propose("r", 64)
-        drafter.observe("r", proposal, len(proposal))
+        drafter.observe("r", proposal, list(range(len(proposal))))
     proposal = drafter.propose("r", 64)
     check_tree(proposal)
     assert all(0 < p <= 1 and not math.isnan(p) for p in proposal.probs)
+
+
+# --- several sources in one tree ------------------------------------------------------------------------
+class FixedSource:
+    """A long-term source that always reports the same match."""
+
+    def __init__(self, length: int, continuations: list[tuple[list[int], float]]):
+        self.length, self.continuations = length, continuations
+        self.queries: list[list[int]] = []
+
+    def lookup(self, text, max_occurrences, max_depth):
+        self.queries.append(list(text))
+        return self.length, [(c[:max_depth], w) for c, w in self.continuations[:max_occurrences]]
+
+
+def test_sources_merge_into_one_prefix_tree_with_the_most_confident_estimate():
+    datastore = FixedSource(6, [([4, 5, 6], 3.0), ([4, 9], 1.0)])
+    drafter = started([1, 2, 3, 4, 5, 7, 1, 2, 3], datastore=datastore)
+    proposal = drafter.propose("r", 10)
+    check_tree(proposal)
+    context = drafter.calibrators["context"].confidence
+    store = drafter.calibrators["datastore"].confidence
+    by_path = {path_of(proposal, i): (proposal.probs[i], proposal.sources[i]) for i in range(len(proposal))}
+    # Both sources propose 4 first: one node, with the larger of the two calibrated estimates.
+    assert by_path[(4,)] == (pytest.approx(max(context(3), store(6))), "datastore")
+    # Below 4: context says 5 (1/1), the datastore 5 (3/4) or 9 (1/4).
+    p4 = by_path[(4,)][0]
+    assert by_path[(4, 5)][0] == pytest.approx(p4 * max(context(4), min(1.0, store(7) * 0.75)))
+    assert by_path[(4, 9)] == (pytest.approx(p4 * store(7) * 0.25), "datastore")
+    assert datastore.queries[-1] == [1, 2, 3, 4, 5, 7, 1, 2, 3]
+
+
+def test_each_source_learns_from_its_own_nodes():
+    datastore = FixedSource(2, [([50], 1.0)])
+    drafter = started([1, 2, 3, 4, 1, 2, 3], datastore=datastore)
+    context_before = drafter.calibrators["context"].confidence(3)
+    store_before = drafter.calibrators["datastore"].confidence(2)
+    for _ in range(20):
+        proposal = drafter.propose("r", 2)  # root children: 4 (context) and 50 (datastore)
+        accepted = [proposal.tokens.index(4)]
+        drafter.observe("r", proposal, accepted)
+    assert drafter.calibrators["context"].confidence(3) > context_before
+    assert drafter.calibrators["datastore"].confidence(2) < store_before
+    proposal = drafter.propose("r", 2)
+    assert proposal.tokens[0] == 4 and proposal.sources[0] == "context"
+
+
+def test_history_drafts_what_an_earlier_request_answered():
+    drafter = ReaderDrafter()
+    drafter.begin("first", [1, 2])
+    drafter.extend("first", [30, 31, 32, 33, 34])
+    drafter.end("first")
+    drafter.begin("second", [7, 8, 30, 31])
+    proposal = drafter.propose("second", 8)
+    assert proposal.tokens == (32, 33, 34)
+    assert set(proposal.sources) == {"history"}
+    assert drafter.source_names == ("context", "history")
+
+
+def test_sources_can_be_switched_off():
+    assert ReaderDrafter(history_tokens=0).source_names == ("context",)
+    only_store = ReaderDrafter(context=False, history_tokens=0, datastore=FixedSource(3, [([5, 6], 1.0)]))
+    only_store.begin("r", [1, 2, 3, 1, 2, 3])
+    proposal = only_store.propose("r", 4)
+    assert proposal.tokens == (5, 6) and set(proposal.sources) == {"datastore"}
+    with pytest.raises(ValueError):
+        ReaderDrafter(history_tokens=-1)

@@ -1,28 +1,24 @@
-"""Short-term statistical search: draft from what followed the current suffix earlier in the same text.
-
-READER's request-local source (SuffixDecoding's per-request tree does the same job). Three layers:
+"""READER's statistical search: find the current suffix elsewhere and weigh what followed it.
 
 * ``SuffixIndex`` finds the longest suffix of a text that occurred before and the occurrences that
   followed it, and grows in O(max_ngram) per appended token, so it is kept up to date as tokens are
-  accepted instead of being rebuilt every step.
-* Pure functions turn continuations into a weighted prefix trie (``build_continuation_trie``) and pick
-  the nodes with the highest path probability under a node budget (``select_best_first``). Corpus and
-  history sources reuse them with their own weights.
-* ``ContextDrafter`` wires one index per request to those functions, with an ``AcceptanceCalibrator``
-  learning from verification feedback how far the raw counts can be trusted.
+  accepted instead of being rebuilt every step (the request's own text, and earlier responses).
+* Pure functions turn any source's continuations into a weighted prefix trie
+  (``build_continuation_trie``) and pick the nodes of highest path probability in the union of the
+  sources' tries under a node budget (``select_best_first``).
+* ``AcceptanceCalibrator`` learns from verification outcomes (``calibration_trials``) how far each
+  source's raw counts can be trusted at each match length.
 """
 
 from __future__ import annotations
 
 import heapq
 from bisect import bisect_right
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from reader_spec.tree import EMPTY_PROPOSAL, Proposal
-
-SOURCE = "context"
 
 # An n-gram's key is an exact integer: its tokens read backwards, (token + 1) per 32-bit digit. The +1
 # keeps every digit nonzero, so n-grams of different lengths never share a key and one dict holds all.
@@ -72,6 +68,11 @@ class SuffixIndex:
 
     def __len__(self) -> int:
         return len(self._tokens)
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        """The indexed text (a live view: read it, never change it)."""
+        return self._tokens
 
     def append(self, tokens: Iterable[int]) -> None:
         """Index new tokens one position at a time (the same work whether they come in bulk or not)."""
@@ -206,85 +207,110 @@ def build_continuation_trie(continuations: Iterable[tuple[Sequence[int], float]]
     return trie
 
 
-def select_best_first(
-    trie: ContinuationTrie,
-    edge_confidence: Sequence[float],
-    max_nodes: int,
-    max_breadth: int | None = None,
-    source: str = "",
-) -> Proposal:
-    """The ``max_nodes`` trie nodes of highest path probability, best first, as a ``Proposal``.
+@dataclass(frozen=True)
+class SourceTrie:
+    """One source's continuations after its longest match, and how far to trust them by depth.
 
-    An edge into depth ``d`` has probability ``min(1, edge_confidence[d - 1] * share)``, where share is
-    the child's fraction of its parent's onward weight; a path's probability is the product along it.
-    Each factor is at most 1, so probabilities never increase down a path, and popping a max-heap of
-    frontier nodes yields exactly the top nodes with every parent before its children (the rule
-    EAGLE-2 and Sequoia use: with calibrated probabilities it maximises expected accepted length).
-    ``max_breadth`` keeps only the heaviest children of each node (1 gives a chain); ``edge_confidence``
-    must cover the trie's depth. Nodes of probability zero are never returned.
+    ``confidence[d - 1]`` is the calibrated acceptance rate of the source's edges into depth ``d``
+    (their match with the text is then ``match_length + d - 1`` tokens long).
     """
-    if max_nodes <= 0:
-        return EMPTY_PROPOSAL
-    weights, child_weights = trie.weights, trie.child_weights
-    heap: list[tuple[float, int, int]] = []  # (-path probability, trie node, proposal index of parent)
 
-    def push_children(node: int, prob: float, index: int) -> None:
-        kids = list(trie.children[node].values())
-        if max_breadth is not None:
-            kids = sorted(kids, key=lambda c: -weights[c])[:max_breadth]
-        total = child_weights[node]
-        for child in kids:
-            edge = min(1.0, edge_confidence[trie.depths[child] - 1] * weights[child] / total)
+    name: str
+    match_length: int
+    trie: ContinuationTrie
+    confidence: Sequence[float]
+
+
+def select_best_first(
+    sources: Sequence[SourceTrie], max_nodes: int, max_breadth: int | None = None
+) -> Proposal:
+    """The ``max_nodes`` nodes of highest path probability in the union of the sources' tries.
+
+    A node of the union is a token path; each source holding the path proposes its children, an edge
+    into depth ``d`` with probability ``min(1, confidence[d - 1] * share)``, where share is the
+    child's fraction of the source's onward weight there. Where several sources propose the same
+    child, the most confident estimate counts (each is calibrated on its own; agreement is not taken
+    as independent evidence). A path's probability is the product along it; every factor is at most
+    1, so popping a max-heap of frontier nodes yields exactly the top nodes with every parent before
+    its children (the rule EAGLE-2 and Sequoia use: with calibrated probabilities it maximises the
+    expected accepted length). ``max_breadth`` keeps only the likeliest children of each node (1 gives
+    a chain). A node is labelled with the source of its estimate; zero-probability nodes never appear.
+    """
+    if max_nodes <= 0 or not sources:
+        return EMPTY_PROPOSAL
+    heap: list[tuple[float, int, int, str, tuple[int, ...]]] = []
+    counter = 0  # ties keep the order of discovery: deterministic, and recency-first within a source
+
+    def push_children(nodes: tuple[int, ...], prob: float, index: int) -> None:
+        nonlocal counter
+        best: dict[int, tuple[float, str, list[int]]] = {}
+        for k, (source, node) in enumerate(zip(sources, nodes, strict=True)):
+            if node < 0:
+                continue
+            trie = source.trie
+            total = trie.child_weights[node]
+            for token, child in trie.children[node].items():
+                edge = min(1.0, source.confidence[trie.depths[child] - 1] * trie.weights[child] / total)
+                entry = best.get(token)
+                if entry is None:
+                    entry = best[token] = (0.0, source.name, [-1] * len(sources))
+                entry[2][k] = child
+                if edge > entry[0]:
+                    best[token] = (edge, source.name, entry[2])
+        ranked = sorted(best.items(), key=lambda item: -item[1][0])
+        for token, (edge, name, children) in ranked[:max_breadth]:
             if prob * edge > 0.0:
-                heapq.heappush(heap, (-prob * edge, child, index))
+                heapq.heappush(heap, (-prob * edge, counter, index, name, (token, *children)))
+                counter += 1
 
     tokens: list[int] = []
     parents: list[int] = []
     probs: list[float] = []
-    push_children(0, 1.0, -1)
+    names: list[str] = []
+    push_children(tuple([0] * len(sources)), 1.0, -1)
     while heap and len(tokens) < max_nodes:
-        neg_prob, node, parent = heapq.heappop(heap)
-        tokens.append(trie.tokens[node])
+        neg_prob, _, parent, name, (token, *children) = heapq.heappop(heap)
+        tokens.append(token)
         parents.append(parent)
         probs.append(-neg_prob)
-        push_children(node, -neg_prob, len(tokens) - 1)
+        names.append(name)
+        push_children(tuple(children), -neg_prob, len(tokens) - 1)
     if not tokens:
         return EMPTY_PROPOSAL
-    return Proposal(tuple(tokens), tuple(parents), tuple(probs), (source,) * len(tokens) if source else ())
+    return Proposal(tuple(tokens), tuple(parents), tuple(probs), tuple(names))
 
 
 def edge_shares(trie: ContinuationTrie, proposal: Proposal) -> tuple[float, ...]:
-    """Per proposed node: its fraction of its parent's onward weight in ``trie`` (the raw edge estimate)."""
+    """Per proposed node: its fraction of its parent's onward weight in ``trie`` (0 where absent)."""
     nodes: list[int] = []
     shares: list[float] = []
     for token, parent in zip(proposal.tokens, proposal.parents, strict=True):
         above = nodes[parent] if parent >= 0 else 0
-        node = trie.children[above][token]
+        node = trie.children[above].get(token, -1) if above >= 0 else -1
         nodes.append(node)
-        shares.append(trie.weights[node] / trie.child_weights[above])
+        shares.append(trie.weights[node] / trie.child_weights[above] if node >= 0 else 0.0)
     return tuple(shares)
 
 
-def verification_trials(
-    proposal: Proposal, shares: Sequence[float], accepted_nodes: int
+def calibration_trials(
+    proposal: Proposal, shares: Sequence[float], accepted: Sequence[int]
 ) -> list[tuple[int, bool, float]]:
-    """The levels of a verified proposal whose outcome is attributable: (depth, accepted, exposure).
+    """What one verification says about a source: (depth, hit, exposure) per level it was tested at.
 
-    The accepted path reaches depth ``d`` or stops at ``d - 1``; which node it passed at ``d - 1`` is
-    known only when that level holds one proposed node (always true of the root, and of every level of
-    a chain). Such a level is one trial whose exposure is the summed shares of the nodes drafted below
-    it. Levels below the accepted path's end, or below an ambiguous level, say nothing and are skipped.
+    At each depth the accepted path reached, the drafted children of the path's node there were
+    tested. Their summed shares are the source's exposure; a hit means the accepted child is one the
+    source proposed. Levels where the source proposed nothing tested carry no evidence and are skipped.
     """
-    depths: list[int] = []
-    for parent in proposal.parents:
-        depths.append(depths[parent] + 1 if parent >= 0 else 1)
-    width: dict[int, int] = {}
-    exposure: dict[int, float] = {}
-    for depth, share in zip(depths, shares, strict=True):
-        width[depth] = width.get(depth, 0) + 1
-        exposure[depth] = exposure.get(depth, 0.0) + share
-    last = min(accepted_nodes + 1, max(depths, default=0))
-    return [(d, accepted_nodes >= d, exposure[d]) for d in range(1, last + 1) if d == 1 or width[d - 1] == 1]
+    path = [-1, *accepted]
+    trials = []
+    for depth in range(1, len(path) + 1):
+        above = path[depth - 1]
+        tested = [i for i, parent in enumerate(proposal.parents) if parent == above]
+        exposure = sum(shares[i] for i in tested)
+        if exposure > 0:
+            hit = depth < len(path) and shares[path[depth]] > 0
+            trials.append((depth, hit, exposure))
+    return trials
 
 
 class AcceptanceCalibrator:
@@ -334,91 +360,3 @@ class AcceptanceCalibrator:
         b = self.bucket(match_length)
         self._alpha[b] += hits
         self._trials[b] += exposure
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """What ``observe`` needs about the last proposal of a request."""
-
-    proposal: Proposal
-    match_length: int
-    shares: tuple[float, ...]
-
-
-@dataclass
-class _RequestState:
-    index: SuffixIndex
-    pending: _Pending | None = None
-
-
-class ContextDrafter:
-    """Drafts from each request's own text: prompt plus everything emitted (implements ``Drafter``).
-
-    ``propose`` takes the longest earlier occurrence of the text's suffix (at least ``min_match`` and
-    at most ``max_ngram`` tokens), merges what followed its ``max_occurrences`` newest occurrences (up
-    to ``max_depth`` tokens each) into a count-weighted trie, and returns its best nodes by calibrated
-    path probability. Longest match only, as SuffixDecoding does: shorter matches are weaker evidence,
-    and the calibrator already prices each length. Calibration is shared by all requests, since it
-    describes the model and the data rather than one request.
-    """
-
-    def __init__(
-        self,
-        max_ngram: int = 12,
-        min_match: int = 1,
-        max_depth: int = 16,
-        max_occurrences: int = 64,
-        max_breadth: int | None = None,
-        calibrator: AcceptanceCalibrator | None = None,
-    ) -> None:
-        if not 1 <= min_match <= max_ngram or max_depth < 1 or max_occurrences < 1:
-            raise ValueError("need 1 <= min_match <= max_ngram, max_depth >= 1 and max_occurrences >= 1")
-        if max_breadth is not None and max_breadth < 1:
-            raise ValueError("max_breadth must be at least 1 (1 drafts a chain)")
-        self.max_ngram = max_ngram
-        self.min_match = min_match
-        self.max_depth = max_depth
-        self.max_occurrences = max_occurrences
-        self.max_breadth = max_breadth
-        self.calibrator = calibrator if calibrator is not None else AcceptanceCalibrator()
-        self._requests: dict[Hashable, _RequestState] = {}
-
-    def begin(self, request: Hashable, prompt: Sequence[int]) -> None:
-        index = SuffixIndex(self.max_ngram)
-        index.append(prompt)
-        self._requests[request] = _RequestState(index)
-
-    def extend(self, request: Hashable, tokens: Sequence[int]) -> None:
-        self._requests[request].index.append(tokens)
-
-    def propose(self, request: Hashable, max_nodes: int) -> Proposal:
-        state = self._requests[request]
-        state.pending = None
-        match = state.index.longest_match()
-        if max_nodes <= 0 or match.length < self.min_match:
-            return EMPTY_PROPOSAL
-        depth = min(self.max_depth, max_nodes)  # a node at depth d needs d nodes of budget
-        continuations = state.index.continuations(match, self.max_occurrences, depth)
-        trie = build_continuation_trie((c, 1.0) for c in continuations)
-        confidence = [self.calibrator.confidence(match.length + d) for d in range(depth)]
-        proposal = select_best_first(trie, confidence, max_nodes, self.max_breadth, SOURCE)
-        if proposal:
-            state.pending = _Pending(proposal, match.length, edge_shares(trie, proposal))
-        return proposal
-
-    def observe(self, request: Hashable, proposal: Proposal, accepted_nodes: int) -> None:
-        """Learn from a verification of (a prefix of) the request's last proposal.
-
-        Feedback on anything else (another drafter's nodes, a stale proposal) cannot be attributed to a
-        match length and is ignored.
-        """
-        state = self._requests[request]
-        pending, state.pending = state.pending, None
-        n = len(proposal)
-        if pending is None or n == 0 or proposal != pending.proposal.truncated(n):
-            return
-        for depth, accepted, exposure in verification_trials(proposal, pending.shares[:n], accepted_nodes):
-            self.calibrator.update(pending.match_length + depth - 1, float(accepted), exposure)
-
-    def end(self, request: Hashable) -> None:
-        self._requests.pop(request, None)

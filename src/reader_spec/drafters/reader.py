@@ -1,0 +1,157 @@
+"""READER's drafter: one draft tree from the request's own text, earlier responses and a corpus.
+
+Each source finds the longest suffix of the request's text it holds and weighs what followed its
+occurrences; the sources' continuations are merged into one tree whose node probabilities come from
+per-source acceptance rates learned online, with match length as evidence; the best nodes by path
+probability fill the budget the engine gives. Any source can be switched off; with only the request's
+own text it is the short-term half of READER (like prompt lookup, but a weighted tree).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from reader_spec.drafters.history import ResponseHistory
+from reader_spec.drafters.search import (
+    AcceptanceCalibrator,
+    SourceTrie,
+    SuffixIndex,
+    build_continuation_trie,
+    calibration_trials,
+    edge_shares,
+    select_best_first,
+)
+from reader_spec.tree import EMPTY_PROPOSAL, Proposal
+
+
+class ContinuationSource(Protocol):
+    """A long-term source: earlier responses, or a corpus datastore."""
+
+    def lookup(
+        self, text: Sequence[int], max_occurrences: int, max_depth: int
+    ) -> tuple[int, Sequence[tuple[Sequence[int], float]]]:
+        """Length of the longest suffix of ``text`` found, and weighted continuations of its occurrences."""
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """What ``observe`` needs about a request's last proposal: each source's match and shares."""
+
+    proposal: Proposal
+    sources: tuple[tuple[str, int, tuple[float, ...]], ...]
+
+
+@dataclass
+class _Request:
+    index: SuffixIndex
+    prompt_length: int
+    pending: _Pending | None = None
+
+
+class ReaderDrafter:
+    """Drafts from the request's text (``context``), earlier responses (``history``) and a corpus
+    (``datastore``); implements ``Drafter``.
+
+    Every source contributes its longest match only (at least ``min_match`` tokens, and at most
+    ``max_ngram`` for the request's own text): shorter matches are weaker evidence, and each source's
+    calibrator prices each match length. Up to ``max_occurrences`` newest occurrences per source give
+    continuations of up to ``max_depth`` tokens. Calibration is shared by all requests, since it
+    describes the model and the data rather than one request. ``history_tokens=0`` turns the history
+    off; responses join it when their request ends.
+    """
+
+    def __init__(
+        self,
+        *,
+        context: bool = True,
+        history_tokens: int = 262_144,
+        datastore: ContinuationSource | None = None,
+        max_ngram: int = 12,
+        min_match: int = 1,
+        max_depth: int = 16,
+        max_occurrences: int = 64,
+        max_breadth: int | None = None,
+    ) -> None:
+        if not 1 <= min_match <= max_ngram or max_depth < 1 or max_occurrences < 1:
+            raise ValueError("need 1 <= min_match <= max_ngram, max_depth >= 1 and max_occurrences >= 1")
+        if max_breadth is not None and max_breadth < 1:
+            raise ValueError("max_breadth must be at least 1 (1 drafts a chain)")
+        if history_tokens < 0:
+            raise ValueError("history_tokens must be >= 0 (0 turns the history off)")
+        self.use_context = context
+        self.history = ResponseHistory(history_tokens, max_ngram) if history_tokens else None
+        self.datastore = datastore
+        self.max_ngram = max_ngram
+        self.min_match = min_match
+        self.max_depth = max_depth
+        self.max_occurrences = max_occurrences
+        self.max_breadth = max_breadth
+        self.calibrators = {name: AcceptanceCalibrator() for name in self.source_names}
+        self._requests: dict[Hashable, _Request] = {}
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        names = ("context",) if self.use_context else ()
+        names += ("history",) if self.history is not None else ()
+        return names + (("datastore",) if self.datastore is not None else ())
+
+    def begin(self, request: Hashable, prompt: Sequence[int]) -> None:
+        index = SuffixIndex(self.max_ngram)
+        index.append(prompt)
+        self._requests[request] = _Request(index, len(prompt))
+
+    def extend(self, request: Hashable, tokens: Sequence[int]) -> None:
+        self._requests[request].index.append(tokens)
+
+    def propose(self, request: Hashable, max_nodes: int) -> Proposal:
+        state = self._requests[request]
+        state.pending = None
+        if max_nodes <= 0:
+            return EMPTY_PROPOSAL
+        depth = min(self.max_depth, max_nodes)  # a node at depth d needs d nodes of budget
+        tries = [t for t in self._source_tries(state.index, depth) if t.match_length >= self.min_match]
+        proposal = select_best_first(tries, max_nodes, self.max_breadth)
+        if proposal:
+            shares = tuple((t.name, t.match_length, edge_shares(t.trie, proposal)) for t in tries)
+            state.pending = _Pending(proposal, shares)
+        return proposal
+
+    def _source_tries(self, index: SuffixIndex, depth: int) -> list[SourceTrie]:
+        tries = []
+        if self.use_context:
+            match = index.longest_match()
+            continuations = index.continuations(match, self.max_occurrences, depth)
+            tries.append(self._trie("context", match.length, [(c, 1.0) for c in continuations], depth))
+        text = index.tokens
+        for name, source in (("history", self.history), ("datastore", self.datastore)):
+            if source is not None:
+                length, continuations = source.lookup(text, self.max_occurrences, depth)
+                tries.append(self._trie(name, length, continuations, depth))
+        return tries
+
+    def _trie(self, name: str, length: int, continuations, depth: int) -> SourceTrie:
+        calibrator = self.calibrators[name]
+        confidence = [calibrator.confidence(length + d) for d in range(depth)]
+        return SourceTrie(name, length, build_continuation_trie(continuations), confidence)
+
+    def observe(self, request: Hashable, proposal: Proposal, accepted: Sequence[int]) -> None:
+        """Learn from a verification of (a prefix of) the request's last proposal.
+
+        ``accepted`` are the indices of the accepted proposal nodes, root first. Feedback on anything
+        else (another drafter's nodes, a stale proposal) cannot be attributed to a match and is ignored.
+        """
+        state = self._requests[request]
+        pending, state.pending = state.pending, None
+        n = len(proposal)
+        if pending is None or n == 0 or proposal != pending.proposal.truncated(n):
+            return
+        for name, length, shares in pending.sources:
+            for depth, hit, exposure in calibration_trials(proposal, shares[:n], accepted):
+                self.calibrators[name].update(length + depth - 1, float(hit), exposure)
+
+    def end(self, request: Hashable) -> None:
+        state = self._requests.pop(request, None)
+        if state is not None and self.history is not None:
+            self.history.add(state.index.tokens[state.prompt_length :])
