@@ -14,7 +14,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from reader_spec.config import GenerationConfig
+from reader_spec.datastore import META_FILE, Datastore, DatastoreError, check_output
 from reader_spec.drafters import ReaderDrafter
+from reader_spec.drafters.history import DEFAULT_MAX_TOKENS
 from reader_spec.engine import DEFAULT_BUDGET, Engine, Output
 from reader_spec.loading import ModelLoadError, load_model
 from reader_spec.prompts import InputRecord, PromptError, read_jsonl
@@ -26,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _quiet_libraries()
     try:
         return args.handler(args)
-    except (ModelLoadError, PromptError, ValueError, OSError) as e:
+    except (ModelLoadError, PromptError, DatastoreError, ValueError, OSError) as e:
         print(f"reader: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -76,7 +78,16 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="always verify the whole budget instead of choosing the tree size from measured costs",
     )
-    gen.add_argument("--drafter", choices=["context", "none"], default="context")
+    gen.add_argument(
+        "--drafter",
+        choices=["reader", "none"],
+        default="reader",
+        help="reader: retrieval drafts from the request, earlier responses and --datastore; none: plain",
+    )
+    gen.add_argument("--datastore", metavar="DIR", help="corpus datastore built by `reader index build`")
+    gen.add_argument(
+        "--no-history", action="store_true", help="do not draft from earlier responses of this run"
+    )
     gen.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(handler=_generate)
@@ -102,6 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--budget", type=int, default=DEFAULT_BUDGET)
     bench.add_argument("--out", help="directory for results.json and results.md")
     bench.set_defaults(handler=_bench)
+    _add_index_commands(commands)
     return parser
 
 
@@ -137,6 +149,50 @@ def _request_configs(args: argparse.Namespace, records: list[InputRecord]) -> li
     return configs
 
 
+def _add_index_commands(commands) -> None:
+    index = commands.add_parser(
+        "index",
+        help="build and inspect datastores (READER's long-term retrieval index)",
+        description="A datastore is a tokenized corpus with a suffix array; drafters propose what followed "
+        "the current text's longest suffix found in it.",
+    )
+    actions = index.add_subparsers(dest="index_command", required=True)
+    build = actions.add_parser(
+        "build",
+        help="index files and/or the model's own answers",
+        description="Tokenize documents with the model's tokenizer and index them. --input files: .jsonl "
+        '(optionally .gz) lines {"text"}, {"messages"}, {"prompt"} or {"turns"}; any other file is one '
+        "plain-text document. --from-model: the model's greedy answers to the prompts, stored with their "
+        "prompts as the token ids the model saw and produced.",
+    )
+    build.add_argument(
+        "--model", help="hub id, local directory or .gguf file (default: SmolLM2-135M-Instruct)"
+    )
+    build.add_argument("--input", nargs="+", default=[], metavar="FILE", help="documents to index")
+    build.add_argument(
+        "--from-model",
+        metavar="PROMPTS.jsonl",
+        help='prompts to answer: {"id", "prompt"|"messages"} lines or Spec-Bench questions (first turn)',
+    )
+    build.add_argument(
+        "--question-ids",
+        choices=["all", "odd", "even"],
+        default="all",
+        help="answer only prompts with odd or even integer ids (default: all)",
+    )
+    build.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit (256)")
+    build.add_argument("--batch-size", type=int, default=1, help="prompts answered together (default 1)")
+    build.add_argument(
+        "--output", required=True, help="datastore directory (replaced once the build is done)"
+    )
+    build.set_defaults(handler=_index_build)
+
+    info = actions.add_parser("info", help="size and provenance of a datastore")
+    info.add_argument("path", metavar="DIR")
+    info.add_argument("--verify", action="store_true", help="also check every file's checksum")
+    info.set_defaults(handler=_index_info)
+
+
 def _generate(args: argparse.Namespace) -> int:
     if args.input:
         records = list(read_jsonl(args.input))
@@ -154,7 +210,12 @@ def _generate(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ValueError("--batch-size must be at least 1")
     loaded = load_model(args.model)
-    drafter = ReaderDrafter() if args.drafter == "context" else None
+    drafter = None
+    if args.drafter == "reader":
+        datastore = Datastore.open(args.datastore, fingerprint=loaded.fingerprint) if args.datastore else None
+        drafter = ReaderDrafter(
+            history_tokens=0 if args.no_history else DEFAULT_MAX_TOKENS, datastore=datastore
+        )
     engine = Engine(loaded, drafter, budget=args.budget, adaptive_budget=not args.fixed_budget)
     engine.warm_up(args.batch_size)
     prompts = [r.prompt for r in records]
@@ -196,6 +257,76 @@ def _bench(args: argparse.Namespace) -> int:
         report.save(Path(args.out))
         print(f"\nwrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'results.md'}")
     return 0
+
+
+def _index_build(args: argparse.Namespace) -> int:
+    from itertools import chain
+
+    from reader_spec.corpus import answer_documents, file_documents, file_sources, read_prompts
+    from reader_spec.loading import LoadedModel, LoadedTokenizer, load_tokenizer
+
+    if not args.input and not args.from_model:
+        raise ValueError("nothing to index: give --input FILES, --from-model PROMPTS.jsonl, or both")
+    if args.max_new_tokens < 1 or args.batch_size < 1:
+        raise ValueError("--max-new-tokens and --batch-size must be positive")
+    check_output(Path(args.output))
+    sources = file_sources(args.input)
+    answers: list[list[int]] = []
+    loaded: LoadedModel | LoadedTokenizer
+    if args.from_model:
+        records = read_prompts(args.from_model, args.question_ids)
+        if not records:
+            raise PromptError(f"{args.from_model}: no prompts with {args.question_ids} ids")
+        loaded = load_model(args.model)
+        with tqdm(total=len(records), desc="answering", unit="prompt", file=sys.stderr, leave=False) as bar:
+            answers = answer_documents(
+                loaded, records, args.max_new_tokens, args.batch_size, on_finish=lambda _: bar.update()
+            )
+        sources.append(
+            {
+                **file_sources([args.from_model])[0],
+                "kind": "model answers",
+                "question_ids": args.question_ids,
+                "prompts": len(records),
+                "max_new_tokens": args.max_new_tokens,
+            }
+        )
+    else:
+        loaded = load_tokenizer(args.model)  # the weights are not needed
+    files = file_documents(loaded.tokenizer, args.input)
+    read = tqdm(files, desc="tokenizing", unit="doc", file=sys.stderr, leave=False)
+    store = Datastore.build(
+        args.output, chain(read, answers), fingerprint=loaded.fingerprint, model=loaded.name, sources=sources
+    )
+    _print_datastore(store, verified=False)
+    return 0
+
+
+def _index_info(args: argparse.Namespace) -> int:
+    _print_datastore(Datastore.open(args.path, verify=args.verify), verified=args.verify)
+    return 0
+
+
+def _print_datastore(store: Datastore, verified: bool, shown_sources: int = 10) -> None:
+    meta = store.meta
+    files = ", ".join(f"{name} {_megabytes(f.bytes)}" for name, f in meta.files.items())
+    print(f"datastore: {store.path}")
+    print(f"tokens: {meta.tokens:,} in {meta.documents:,} documents")
+    print(f"size on disk: {_megabytes(store.disk_bytes)} ({files}, {META_FILE})")
+    print(f"model: {meta.model}")
+    print(f"tokenizer fingerprint: {meta.tokenizer_fingerprint}")
+    print(f"built: {meta.built} in {meta.build_seconds:.1f} s, format version {meta.format_version}")
+    print(f"checksums: {'verified' if verified else 'not checked (--verify checks them)'}")
+    print(f"sources: {len(meta.sources)}")
+    for source in meta.sources[:shown_sources]:
+        details = "".join(f", {k} {v}" for k, v in source.items() if k not in ("path", "bytes"))
+        print(f"  {source.get('path')} ({_megabytes(source.get('bytes', 0))}{details})")
+    if len(meta.sources) > shown_sources:
+        print(f"  ... and {len(meta.sources) - shown_sources} more")
+
+
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"
 
 
 def _timed_run(engine: Engine, prompts, ids, config, batch_size: int, label: str):

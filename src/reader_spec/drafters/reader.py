@@ -13,7 +13,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from reader_spec.drafters.history import ResponseHistory
+from reader_spec.datastore import Datastore
+from reader_spec.drafters.history import DEFAULT_MAX_TOKENS, ResponseHistory
 from reader_spec.drafters.search import (
     AcceptanceCalibrator,
     SourceTrie,
@@ -33,6 +34,20 @@ class ContinuationSource(Protocol):
         self, text: Sequence[int], max_occurrences: int, max_depth: int
     ) -> tuple[int, Sequence[tuple[Sequence[int], float]]]:
         """Length of the longest suffix of ``text`` found, and weighted continuations of its occurrences."""
+
+
+@dataclass(frozen=True)
+class DatastoreSource:
+    """A corpus datastore as a continuation source: its longest match of up to ``max_suffix`` tokens."""
+
+    datastore: Datastore
+    max_suffix: int = 32
+
+    def lookup(
+        self, text: Sequence[int], max_occurrences: int, max_depth: int
+    ) -> tuple[int, Sequence[tuple[Sequence[int], float]]]:
+        found = self.datastore.lookup(text, self.max_suffix, max_occurrences, max_depth)
+        return found.match_length, found.continuations
 
 
 @dataclass(frozen=True)
@@ -59,15 +74,16 @@ class ReaderDrafter:
     calibrator prices each match length. Up to ``max_occurrences`` newest occurrences per source give
     continuations of up to ``max_depth`` tokens. Calibration is shared by all requests, since it
     describes the model and the data rather than one request. ``history_tokens=0`` turns the history
-    off; responses join it when their request ends.
+    off; responses join it when their request ends. ``datastore`` is an opened ``Datastore`` (open it
+    with the model's tokenizer fingerprint, so a mismatched one fails early) or any other source.
     """
 
     def __init__(
         self,
         *,
         context: bool = True,
-        history_tokens: int = 262_144,
-        datastore: ContinuationSource | None = None,
+        history_tokens: int = DEFAULT_MAX_TOKENS,
+        datastore: Datastore | ContinuationSource | None = None,
         max_ngram: int = 12,
         min_match: int = 1,
         max_depth: int = 16,
@@ -82,7 +98,7 @@ class ReaderDrafter:
             raise ValueError("history_tokens must be >= 0 (0 turns the history off)")
         self.use_context = context
         self.history = ResponseHistory(history_tokens, max_ngram) if history_tokens else None
-        self.datastore = datastore
+        self.datastore = DatastoreSource(datastore) if isinstance(datastore, Datastore) else datastore
         self.max_ngram = max_ngram
         self.min_match = min_match
         self.max_depth = max_depth
