@@ -119,6 +119,37 @@ def load_model(
     return loaded
 
 
+def load_tokenizer(
+    model: str | os.PathLike | None = None, *, cache_dir: Path | None = None
+) -> tuple[PreTrainedTokenizerBase, str]:
+    """Only a model's tokenizer, and the model's display name, for work that needs no weights.
+
+    A GGUF file's tokenizer comes from its de-quantized cache entry when one exists, else from the
+    file's metadata (no weight is de-quantized). Raises :class:`ModelLoadError` with a one-line reason.
+    """
+    name = DEFAULT_MODEL_NAME if model is None else os.fspath(model)
+    path = default_gguf_path() if model is None else Path(name).expanduser()
+    try:
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise ModelLoadError(f"no such GGUF file: {path}")
+            name = name if model is None else path.name
+            root = Path(cache_dir) if cache_dir is not None else weights_cache_dir()
+            cached = root / _file_digest(path, root / "digests.json") if root.is_dir() else None
+            if cached is not None and (cached / "tokenizer_config.json").is_file():
+                return AutoTokenizer.from_pretrained(cached), name
+            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name), name
+        if path.exists():
+            if not path.is_dir() or not any((path / f).is_file() for f in _TOKENIZER_FILES):
+                raise ModelLoadError(f"no tokenizer found in {name!r}")
+            return AutoTokenizer.from_pretrained(path), name
+        if isinstance(model, os.PathLike) or name.startswith(("/", ".", "~")):
+            raise ModelLoadError(f"no such file or directory: {path}")
+        return AutoTokenizer.from_pretrained(name), name
+    except (OSError, ValueError, TypeError) as e:
+        raise ModelLoadError(f"cannot load the tokenizer of {name!r}: {_first_line(e)}") from e
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """A hash of the vocabulary and special tokens: equal for tokenizers that encode alike."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
