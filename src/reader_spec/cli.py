@@ -107,11 +107,23 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--categories", nargs="+", help="only these categories")
     bench.add_argument("--limit", type=int, default=None, help="prompts per category (default: all)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--methods", nargs="+", default=["ar", "reader"], help="from: ar, reader")
+    bench.add_argument(
+        "--methods",
+        nargs="+",
+        help="from: ar, reader (default: both); with --replay, from: pld, suffix, reader (default: all), "
+        "space- or comma-separated",
+    )
     bench.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
     bench.add_argument("--repeats", type=int, default=1, help="runs per prompt; the median time counts")
     bench.add_argument("--budget", type=int, default=DEFAULT_BUDGET)
     bench.add_argument("--out", help="directory for results.json and results.md")
+    bench.add_argument(
+        "--replay",
+        metavar="FILE",
+        help="instead, replay recorded conversations (JSONL, optionally .gz, of {messages: [...]}) through "
+        "drafters, without running the model (only its tokenizer): accepted tokens per step per method; "
+        "--limit counts tasks, --out gets replay.json and replay.md",
+    )
     bench.set_defaults(handler=_bench)
     _add_index_commands(commands)
     return parser
@@ -236,6 +248,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.replay is not None:
+        return _bench_replay(args)
     from reader_spec.bench import run_bench
     from reader_spec.spec_bench import load_questions, per_category
 
@@ -246,7 +260,7 @@ def _bench(args: argparse.Namespace) -> int:
     report = run_bench(
         loaded,
         questions,
-        args.methods,
+        args.methods or ["ar", "reader"],
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         batch_sizes=args.batch_sizes,
@@ -327,6 +341,30 @@ def _print_datastore(store: Datastore, verified: bool, shown_sources: int = 10) 
 
 def _megabytes(size: int) -> str:
     return f"{size / 1e6:.1f} MB"
+
+
+def _bench_replay(args: argparse.Namespace) -> int:
+    from reader_spec.loading import load_tokenizer, weights_cache_dir
+    from reader_spec.replay import METHODS, load_conversations, run_replay
+
+    methods = [m for arg in args.methods or [",".join(METHODS)] for m in arg.split(",") if m]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise ValueError(f"unknown replay method {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if args.budget < 1 or (args.limit is not None and args.limit < 1):
+        raise ValueError("--budget and --limit must be positive")
+    loaded = load_tokenizer(args.model)
+    conversations = load_conversations(
+        args.replay, loaded.tokenizer, loaded.fingerprint, weights_cache_dir().parent / "replay"
+    )[: args.limit]
+    drafters = {m: METHODS[m](args.budget) for m in dict.fromkeys(methods)}
+    settings = {"file": str(args.replay), "model": loaded.name}
+    report = run_replay(conversations, drafters, args.budget, settings=settings)
+    print(report.markdown())
+    if args.out:
+        report.save(Path(args.out))
+        print(f"\nwrote {Path(args.out) / 'replay.json'} and {Path(args.out) / 'replay.md'}")
+    return 0
 
 
 def _timed_run(engine: Engine, prompts, ids, config, batch_size: int, label: str):

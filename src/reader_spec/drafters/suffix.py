@@ -1,0 +1,483 @@
+"""SuffixDecoding (Oliaro et al., 2024), the peer built into ArcticInference and vLLM (``suffix``).
+
+What it does, as ArcticInference's ``SuffixDecodingCache`` does it:
+
+* Two kinds of suffix trees with occurrence counts, each holding every substring of at most
+  ``max_depth`` tokens of its sequences: a per-request tree over the prompt plus the generated tokens,
+  and one global tree over responses (generated tokens only). A response enters the global tree as it
+  is generated, so it serves the request itself and every later one; it stays after the request ends
+  (no eviction, ArcticInference's default ``max_cached_requests=-1``).
+* Each step the pattern is the text's last ``max_depth`` tokens. In each tree, for every match length
+  m from the longest suffix of the pattern found in the tree down to 1, the tree below the match is
+  grown best-first to ``K = min(budget, int(m * max_spec_factor + max_spec_offset))`` nodes: a node
+  ``x`` below the matched string ``s`` has probability ``count(s x) / count(s)`` (the product of the
+  edge ratios telescopes to this), children below ``min_token_prob`` are never taken, and nodes are
+  popped by probability (``use_tree=False`` descends to the most frequent child instead, a chain).
+  A draft's score is the sum of its probabilities (its expected accepted length); the best score over
+  match lengths wins, a longer match on ties, and the global tree's draft replaces the request tree's
+  only when it scores strictly higher.
+* Counts include every occurrence, also the text's own suffix at its end and occurrences cut by a
+  sequence's end or by the depth limit (a string and its continuation together never exceed
+  ``max_depth`` tokens), exactly like the counts of ArcticInference's trees.
+
+Ties ArcticInference leaves to hash and heap order are broken here by a total order: higher count,
+then shallower, then the more recent occurrence. Probabilities are exact ratios (float64) rather than
+float32 products.
+
+The structure. A suffix tree with counts costs ``max_depth`` node updates per appended token, which
+a pure-Python tree cannot afford on agentic prompts of tens of thousands of tokens. ``TokenCorpus``
+answers the same questions from the text itself: its sequences lie in one buffer behind an index from
+each token to its sorted positions, so appending is a vectorized copy (amortized O(log n) per token
+for index rebuilds) and a step only touches the occurrences of the pattern's last token, filtered
+leftwards to each match length (all vectorized). The counts below a match come from the continuations
+of its occurrences, merged into a trie that keeps only nodes above ``min_token_prob``. The drafts
+equal those of the explicit suffix trees (the tests check them against a brute-force suffix trie).
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from reader_spec.tree import EMPTY_PROPOSAL, Proposal
+
+SOURCE = "suffix"
+
+SENTINEL = -1
+"""Separates sequences in a corpus buffer; no token id equals it."""
+
+
+class TokenCorpus:
+    """Token sequences in one growing buffer, with an index from each token to its positions.
+
+    Layout ``[-1, a0 a1 ..., -1, b0 b1 ..., -1]``: a sentinel precedes every sequence and follows the
+    last one, so a match extended leftwards, or a continuation read rightwards, stops at a sequence
+    border without bounds checks. The index holds the first ``indexed`` buffer positions sorted by
+    (token, position), built by one stable argsort; positions appended since are found by scanning
+    that tail, and the index is rebuilt once the tail exceeds ``max(min_tail, indexed / 16)``.
+    """
+
+    def __init__(self, min_tail: int = 2048) -> None:
+        self._buffer = np.full(64, SENTINEL, dtype=np.int32)
+        self._length = 1  # the leading sentinel
+        self._min_tail = min_tail
+        self._indexed = 0
+        self._order = np.empty(0, dtype=np.int64)
+        self._sorted = np.empty(0, dtype=np.int32)
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """The whole buffer; entries from ``len(self)`` on are sentinels."""
+        return self._buffer
+
+    def __len__(self) -> int:
+        """Buffer length in use, sentinels included."""
+        return self._length
+
+    def start_sequence(self) -> None:
+        """Later tokens form a new sequence: no match or continuation crosses into it."""
+        if self._buffer[self._length - 1] != SENTINEL:
+            self._reserve(1)
+            self._length += 1
+
+    def append(self, tokens: Sequence[int]) -> None:
+        """Append tokens to the last sequence."""
+        new = np.asarray(tokens, dtype=np.int64)
+        if not len(new):
+            return
+        if new.min() < 0 or new.max() > np.iinfo(np.int32).max:
+            raise ValueError("token ids must be non-negative 32-bit integers")
+        self._reserve(len(new))
+        self._buffer[self._length : self._length + len(new)] = new
+        self._length += len(new)
+        if self._length - self._indexed > max(self._min_tail, self._indexed // 16):
+            used = self._buffer[: self._length]
+            self._order = np.argsort(used, kind="stable")
+            self._sorted = used[self._order]
+            self._indexed = self._length
+
+    def positions(self, token: int) -> np.ndarray:
+        """Every position holding ``token``, ascending."""
+        # An int32 needle: mixing in Python ints would make numpy cast the whole index per lookup.
+        lo, hi = np.searchsorted(self._sorted, np.array((token, token + 1), dtype=np.int32))
+        head = self._order[lo:hi]
+        tail = np.flatnonzero(self._buffer[self._indexed : self._length] == token)
+        if not len(tail):
+            return head
+        return np.concatenate((head, tail + self._indexed))
+
+    def tail(self, count: int) -> np.ndarray:
+        """The last ``count`` tokens (fewer when the buffer is shorter), sentinels included."""
+        return self._buffer[max(self._length - count, 1) : self._length]
+
+    def sequence_tokens(self, start: int = 1) -> np.ndarray:
+        return self._buffer[start : self._length]
+
+    def _reserve(self, extra: int) -> None:
+        needed = self._length + extra + 1  # keep a sentinel after the last token
+        if needed > len(self._buffer):
+            grown = np.full(max(2 * len(self._buffer), needed), SENTINEL, dtype=np.int32)
+            grown[: self._length] = self._buffer[: self._length]
+            self._buffer = grown
+
+
+ONE_SHOT_CELLS = 8192
+"""Occurrences are filtered one match length at a time until occurrences x remaining lengths fit this;
+then the remaining occurrences' match lengths are measured at once."""
+
+SMALL_TRIE_ROWS = 48
+"""A fresh trie over at most this many continuations is built in Python, over more with numpy."""
+
+
+class _Matches:
+    """The occurrences, in some corpora, of every suffix of a pattern (pattern[-m:] for each m).
+
+    Occurrences of a longer suffix are a subset of a shorter one's, so one pass from the pattern's last
+    token leftwards finds them all: while they are many, one length at a time (``early[m]``, ends per
+    corpus), then, for the few left, each one's whole match length at once (``rows``: corpus, end,
+    length, ordered by corpus then end, so a row's index is its recency rank). ``counts[m]`` is how
+    many occurrences pattern[-m:] has, ``continuing[m]`` how many of them have a token after them.
+    """
+
+    def __init__(self, corpora: Sequence[TokenCorpus], pattern: np.ndarray) -> None:
+        self.corpora = corpora
+        length = len(pattern)
+        self.counts = np.zeros(length + 1, dtype=np.int64)
+        self.continuing = np.zeros(length + 1, dtype=np.int64)
+        self.early: list[list[np.ndarray]] = [[]]
+        ends = [c.positions(int(pattern[-1])) for c in corpora]
+        m = 1
+        total = sum(len(e) for e in ends)
+        while total and m < length and total * (length - m) > ONE_SHOT_CELLS:
+            self.counts[m] = total
+            self.continuing[m] = sum(
+                int((c.buffer[e + 1] >= 0).sum()) for c, e in zip(corpora, ends, strict=True)
+            )
+            self.early.append(ends)
+            want = pattern[length - 1 - m]
+            ends = [e[c.buffer[e - m] == want] for c, e in zip(corpora, ends, strict=True)]
+            total = sum(len(e) for e in ends)
+            m += 1
+        self.rows_from = m
+        backwards = pattern[::-1][m:]
+        offsets = np.arange(m, length)
+        corpus_ids, lengths, nexts = [], [], []
+        for index, (corpus, e) in enumerate(zip(corpora, ends, strict=True)):
+            if not len(e):
+                continue
+            # Indices below 0 wrap around harmlessly: the sentinel at 0 has ended every match before.
+            before = corpus.buffer[e[:, None] - offsets]
+            lengths.append(m + np.logical_and.accumulate(before == backwards, axis=1).sum(axis=1))
+            corpus_ids.append(np.full(len(e), index))
+            nexts.append(corpus.buffer[e + 1] >= 0)
+        if not total:  # the longest match, if any, was among the early lengths
+            self.row_corpus = self.row_end = self.row_length = np.empty(0, dtype=np.int64)
+            self.longest = m - 1
+            return
+        self.row_corpus = np.concatenate(corpus_ids) if len(lengths) > 1 else corpus_ids[0]
+        self.row_end = np.concatenate(ends) if len(lengths) > 1 else next(e for e in ends if len(e))
+        self.row_length = np.concatenate(lengths) if len(lengths) > 1 else lengths[0]
+        going = np.concatenate(nexts) if len(lengths) > 1 else nexts[0]
+        self.counts[m:] = np.cumsum(np.bincount(self.row_length, minlength=length + 1)[::-1])[::-1][m:]
+        going_on = np.bincount(self.row_length, weights=going, minlength=length + 1)
+        self.continuing[m:] = np.cumsum(going_on[::-1])[::-1][m:]
+        self.longest = int(self.row_length.max())
+
+    def windows(self, ends: Sequence[np.ndarray], depth: int) -> np.ndarray:
+        """What followed the given ends in each corpus: ``depth`` tokens per row, -1 from a sequence end."""
+        steps = np.arange(1, depth + 1)
+        rows = [
+            # Reading past a buffer's used length yields sentinels, so indices are clipped to it.
+            corpus.buffer[np.minimum(e[:, None] + steps, len(corpus))]
+            for corpus, e in zip(self.corpora, ends, strict=True)
+            if len(e)
+        ]
+        windows = np.concatenate(rows) if rows else np.empty((0, depth), dtype=np.int32)
+        return np.where(np.logical_or.accumulate(windows < 0, axis=1), SENTINEL, windows)
+
+    def row_windows(self, depth: int) -> list[list[int]]:
+        """``windows`` of every row, in row order."""
+        ends = [self.row_end[self.row_corpus == i] for i in range(len(self.corpora))]
+        return self.windows(ends, depth).tolist()
+
+
+class _Trie:
+    """Continuations of a matched string merged by prefix, with counts; node 0 is the match itself.
+
+    Node lists are parallel and in creation order (parents first). ``recency[n]`` is the newest
+    occurrence (highest row rank) through node n.
+    """
+
+    def __init__(self) -> None:
+        self.token = [SENTINEL]
+        self.parent = [-1]
+        self.depth = [0]
+        self.count = [0]
+        self.recency = [-1]
+        self.children: list[dict[int, int]] = [{}]
+
+    def node(self, parent: int, token: int, count: int, recency: int) -> int:
+        node = len(self.token)
+        self.children[parent][token] = node
+        self.token.append(token)
+        self.parent.append(parent)
+        self.depth.append(self.depth[parent] + 1)
+        self.count.append(count)
+        self.recency.append(recency)
+        self.children.append({})
+        return node
+
+    def add(self, row: list[int], rank: int) -> None:
+        """Count one continuation (cut at its first -1) into the trie."""
+        node = 0
+        for token in row:
+            if token < 0:
+                return
+            child = self.children[node].get(token)
+            if child is None:
+                child = self.node(node, token, 0, rank)
+            self.count[child] += 1
+            self.recency[child] = max(self.recency[child], rank)
+            node = child
+
+    def key(self, node: int) -> tuple[int, int, int, int]:
+        """Best first: higher count (= probability), then shallower, then more recent."""
+        return (-self.count[node], self.depth[node], -self.recency[node], node)
+
+    def select(self, min_count: int, max_nodes: int, max_depth: int, use_tree: bool) -> list[int]:
+        """The nodes a best-first expansion (or a greedy descent) takes, in order, counting only nodes
+        with ``min_count`` occurrences or more and at most ``max_depth`` deep."""
+        chosen: list[int] = []
+        if use_tree:
+            frontier = [self.key(n) for n in self.children[0].values() if self.count[n] >= min_count]
+            heapq.heapify(frontier)
+            while frontier and len(chosen) < max_nodes:
+                node = heapq.heappop(frontier)[3]
+                chosen.append(node)
+                if self.depth[node] < max_depth:
+                    for child in self.children[node].values():
+                        if self.count[child] >= min_count:
+                            heapq.heappush(frontier, self.key(child))
+        else:
+            node = 0
+            while len(chosen) < min(max_nodes, max_depth) and self.children[node]:
+                node = min(self.children[node].values(), key=self.key)
+                if self.count[node] < min_count:
+                    break
+                chosen.append(node)
+        return chosen
+
+
+def _min_count(total: int, min_prob: float) -> int:
+    """The least count k with k / total >= min_prob, the threshold as a float comparison makes it."""
+    k = max(1, math.ceil(min_prob * total))
+    while k > 1 and (k - 1) / total >= min_prob:
+        k -= 1
+    while k / total < min_prob:
+        k += 1
+    return k
+
+
+def build_trie(windows: np.ndarray, min_count: int) -> _Trie:
+    """A trie of the nodes that ``min_count`` rows of ``windows`` (oldest first) or more pass through."""
+    trie = _Trie()
+    if len(windows) <= SMALL_TRIE_ROWS:
+        for rank, row in enumerate(windows.tolist()):
+            trie.add(row, rank)
+        return trie
+    # Level by level: group the live rows by (node, next token), keep the frequent groups' rows.
+    rows = np.arange(len(windows))
+    nodes = np.zeros(len(rows), dtype=np.int64)
+    shift = np.int64(1 << 32)
+    for level in range(windows.shape[1]):
+        tokens = windows[rows, level].astype(np.int64)
+        live = tokens >= 0
+        rows, nodes, tokens = rows[live], nodes[live], tokens[live]
+        if len(rows) < min_count:
+            break
+        keys = nodes * shift + tokens
+        order = np.lexsort((rows, keys))
+        keys, rows, nodes = keys[order], rows[order], nodes[order]
+        first = np.ones(len(keys), dtype=bool)
+        first[1:] = keys[1:] != keys[:-1]
+        starts = np.flatnonzero(first)
+        ends = np.append(starts[1:], len(keys))
+        frequent = np.flatnonzero(ends - starts >= min_count)
+        if not len(frequent):
+            break
+        new = np.full(len(starts), -1, dtype=np.int64)
+        for group in frequent.tolist():
+            start, end = int(starts[group]), int(ends[group])
+            # Rows are sorted within a group, so its last row is its newest.
+            new[group] = trie.node(
+                int(nodes[start]), int(keys[start] % shift), end - start, int(rows[end - 1])
+            )
+        moved = new[np.cumsum(first) - 1]
+        keep = moved >= 0
+        rows, nodes = rows[keep], moved[keep]
+    return trie
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A speculation: proposal fields plus its score, the expected number of accepted tokens."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+    probs: tuple[float, ...]
+    score: float
+
+    def proposal(self) -> Proposal:
+        if not self.tokens:
+            return EMPTY_PROPOSAL
+        return Proposal(self.tokens, self.parents, self.probs, (SOURCE,) * len(self.tokens))
+
+
+NO_DRAFT = Draft((), (), (), 0.0)
+
+
+@functools.lru_cache(maxsize=256)
+def _node_budgets(length: int, max_nodes: int, factor: float, offset: float) -> np.ndarray:
+    """Per match length m in 0..length: ``min(max_spec_tokens, int(m * factor + offset))``."""
+    m = np.arange(length + 1)
+    budgets = np.minimum(max_nodes, (m * factor + offset + 1e-6).astype(np.int64))
+    budgets.flags.writeable = False
+    return budgets
+
+
+def speculate(
+    corpora: Sequence[TokenCorpus],
+    pattern: np.ndarray,
+    max_nodes: int,
+    *,
+    max_depth: int,
+    max_spec_factor: float,
+    max_spec_offset: float,
+    min_token_prob: float,
+    use_tree: bool,
+    to_beat: float = 0.0,
+) -> Draft:
+    """The best draft one tree (the suffixes of ``corpora``) gives for ``pattern``, if it scores more
+    than ``to_beat``; else ``NO_DRAFT``.
+
+    Going down from the longest match, consecutive match lengths with the same occurrences and the same
+    node budget form a group whose drafts differ only in the depth limit: the group's shortest length
+    allows the deepest tree and scores the most, and when it scores no more than a longer length, both
+    take the same nodes (ties go to shallower nodes). So one draft per group is computed, longest group
+    first, with strict improvement as in ArcticInference. Groups that cannot win are skipped: a draft
+    reaching depth d scores at most d times the share of occurrences with a continuation. The trie of
+    the few-occurrence groups grows as matches shorten, each occurrence added once.
+    """
+    pattern = pattern[-max_depth:]
+    matches = _Matches(corpora, pattern)
+    best, best_score = NO_DRAFT, to_beat
+
+    grown, row_windows, by_length, added = _Trie(), None, None, 0
+    budgets = _node_budgets(len(pattern), max_nodes, max_spec_factor, max_spec_offset)
+    counts = matches.counts
+    # Group starts, longest first: lengths whose next shorter one has other occurrences or budget.
+    starts = np.flatnonzero((counts[:-1] != counts[1:]) | (budgets[:-1] != budgets[1:])) + 1
+    for low in starts[starts <= matches.longest][::-1].tolist():
+        total, budget = int(counts[low]), int(budgets[low])
+        depth = min(budget, max_depth - low)
+        if depth <= best_score:
+            if depth == budget:  # every shorter match has a budget this small or smaller
+                break
+            continue
+        if depth * matches.continuing[low] <= best_score * total:
+            continue
+        min_count = _min_count(total, min_token_prob)
+        if low >= matches.rows_from:
+            if row_windows is None:
+                row_windows = matches.row_windows(min(max_nodes, max_depth - matches.rows_from))
+                by_length = np.argsort(-matches.row_length, kind="stable").tolist()
+                row_lengths = matches.row_length.tolist()
+            # Shorter matches have budgets no larger than this one, so deeper tokens are never needed.
+            while added < len(by_length) and row_lengths[by_length[added]] >= low:
+                rank = by_length[added]
+                grown.add(row_windows[rank][:budget], rank)
+                added += 1
+            trie = grown
+        else:
+            trie = build_trie(matches.windows(matches.early[low], depth), min_count)
+        chosen = trie.select(min_count, budget, depth, use_tree)
+        score = sum(trie.count[n] for n in chosen) / total
+        if score > best_score:
+            index = {node: i for i, node in enumerate(chosen)}
+            best = Draft(
+                tokens=tuple(trie.token[n] for n in chosen),
+                parents=tuple(index.get(trie.parent[n], -1) for n in chosen),
+                probs=tuple(trie.count[n] / total for n in chosen),
+                score=score,
+            )
+            best_score = score
+    return best
+
+
+class SuffixDecodingDrafter:
+    """SuffixDecoding as a ``Drafter``: per-request and global suffix structures, drafts by frequency.
+
+    Defaults are ArcticInference's (``max_tree_depth=64``, ``max_spec_factor=1.0``,
+    ``max_spec_offset=0.0``, ``min_token_prob=0.1``); the engine's budget plays ``max_spec_tokens``.
+    ``use_tree=True`` drafts trees (SuffixDecoding's tree speculation), ``False`` chains (what vLLM's
+    ``suffix`` method verifies). ``observe`` is ignored: SuffixDecoding's counts are its only estimate.
+    """
+
+    def __init__(
+        self,
+        max_depth: int = 64,
+        max_spec_factor: float = 1.0,
+        max_spec_offset: float = 0.0,
+        min_token_prob: float = 0.1,
+        use_tree: bool = True,
+    ) -> None:
+        if max_depth < 1 or max_spec_factor < 0 or not 0.0 <= min_token_prob <= 1.0:
+            raise ValueError("need max_depth >= 1, max_spec_factor >= 0 and 0 <= min_token_prob <= 1")
+        self.settings = {
+            "max_depth": max_depth,
+            "max_spec_factor": max_spec_factor,
+            "max_spec_offset": max_spec_offset,
+            "min_token_prob": min_token_prob,
+            "use_tree": use_tree,
+        }
+        self._texts: dict[Hashable, TokenCorpus] = {}
+        self._responses: dict[Hashable, TokenCorpus] = {}
+        self._finished = TokenCorpus()
+
+    def begin(self, request: Hashable, prompt: Sequence[int]) -> None:
+        if request in self._texts:
+            raise ValueError(f"request {request!r} is already active")
+        text = TokenCorpus()
+        text.append(prompt)
+        self._texts[request] = text
+        self._responses[request] = TokenCorpus()
+
+    def extend(self, request: Hashable, tokens: Sequence[int]) -> None:
+        self._texts[request].append(tokens)
+        self._responses[request].append(tokens)
+
+    def propose(self, request: Hashable, max_nodes: int) -> Proposal:
+        text = self._texts[request]
+        if max_nodes <= 0 or len(text) <= 1:
+            return EMPTY_PROPOSAL
+        pattern = text.tail(self.settings["max_depth"])
+        local = speculate([text], pattern, max_nodes, **self.settings)
+        response_trees = [self._finished, *self._responses.values()]
+        shared = speculate(response_trees, pattern, max_nodes, **self.settings, to_beat=local.score)
+        return (shared if shared.score > local.score else local).proposal()
+
+    def observe(self, request: Hashable, proposal: Proposal, accepted: Sequence[int]) -> None:
+        """SuffixDecoding does not learn from verification."""
+
+    def end(self, request: Hashable) -> None:
+        """Drop the request's own tree; its response stays in the global one."""
+        self._texts.pop(request, None)
+        response = self._responses.pop(request, None)
+        if response is not None and len(response) > 1:
+            self._finished.start_sequence()
+            self._finished.append(response.sequence_tokens())
