@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from reader_spec.bench_methods import METHODS
 from reader_spec.config import GenerationConfig
 from reader_spec.drafters import ContextDrafter
 from reader_spec.engine import DEFAULT_BUDGET, Engine, Output
@@ -81,23 +82,38 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="measure methods side by side on Spec-Bench",
-        description="Run prompts through several decoding methods in one process and report speedups over "
-        "plain decoding (ar), mean accepted tokens per step and exactness, per category.",
+        description="Run Spec-Bench prompts (both turns of two-turn questions) through several decoding "
+        "methods in one process and report, per category, the speedup over plain decoding (ar), mean "
+        "accepted tokens per step, exactness against ar, time shares and peak memory; then throughput at "
+        "larger batch sizes.",
     )
     bench.add_argument(
         "--model", help="hub id, local directory or .gguf file (default: SmolLM2-135M-Instruct)"
     )
     bench.add_argument(
+        "--draft-model", help="draft model for hf-assisted (hub id, directory or .gguf); enables hf-assisted"
+    )
+    bench.add_argument(
         "--suite", help="JSONL with question_id, category, turns (default: Spec-Bench, shipped)"
     )
     bench.add_argument("--categories", nargs="+", help="only these categories")
-    bench.add_argument("--limit", type=int, default=None, help="prompts per category (default: all)")
+    bench.add_argument("--limit", type=int, default=None, help="questions per category (default: all)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--methods", nargs="+", default=["ar", "reader"], help="from: ar, reader")
-    bench.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
-    bench.add_argument("--repeats", type=int, default=1, help="runs per prompt; the median time counts")
-    bench.add_argument("--budget", type=int, default=DEFAULT_BUDGET)
-    bench.add_argument("--out", help="directory for results.json and results.md")
+    bench.add_argument(
+        "--methods",
+        nargs="+",
+        choices=list(METHODS),
+        metavar="METHOD",
+        help=f"from: {', '.join(METHODS)} (default: all; hf-assisted only with --draft-model)",
+    )
+    bench.add_argument(
+        "--batch-sizes", nargs="+", type=int, default=[1], help="1: per-prompt figures; above 1: throughput"
+    )
+    bench.add_argument("--repeats", type=int, default=1, help="runs per prompt; the median-time run counts")
+    bench.add_argument(
+        "--budget", type=int, default=DEFAULT_BUDGET, help="draft budget of engine methods without their own"
+    )
+    bench.add_argument("--out", help="directory for results.json, results.md and PNG plots")
     bench.set_defaults(handler=_bench)
     return parser
 
@@ -140,8 +156,11 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.repeats < 1 or (args.limit is not None and args.limit < 1) or min(args.batch_sizes) < 1:
         raise ValueError("--repeats, --limit and --batch-sizes must be positive")
+    if args.methods and "hf-assisted" in args.methods and not args.draft_model:
+        raise ValueError("hf-assisted needs --draft-model")
     questions = per_category(load_questions(args.suite), args.limit, args.categories)
     loaded = load_model(args.model)
+    draft = load_model(args.draft_model) if args.draft_model else None
     report = run_bench(
         loaded,
         questions,
@@ -150,11 +169,12 @@ def _bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         batch_sizes=args.batch_sizes,
         budget=args.budget,
+        draft=draft,
     )
     print(report.markdown())
     if args.out:
-        report.save(Path(args.out))
-        print(f"\nwrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'results.md'}")
+        written = report.save(Path(args.out))
+        print(f"\nwrote {', '.join(str(p) for p in written)}")
     return 0
 
 
