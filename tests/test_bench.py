@@ -264,7 +264,7 @@ def suite(tmp_path):
 
 def test_cli_bench_writes_results(capsys, tiny_llama_dir, suite, tmp_path):
     argv = ["bench", "--model", str(tiny_llama_dir), "--suite", str(suite), "--max-new-tokens", "6"]
-    code = main([*argv, "--categories", "coding", "rag", "--methods", "hf", "--draft-model",
+    code = main([*argv, "--categories", "coding,rag", "--methods", "hf", "--draft-model",
                  str(tiny_llama_dir), "--out", str(tmp_path / "out")])  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0 and "| **overall** |" in out and "results.json" in out
@@ -273,7 +273,10 @@ def test_cli_bench_writes_results(capsys, tiny_llama_dir, suite, tmp_path):
     assert payload["environment"]["draft_model"] == str(tiny_llama_dir)
 
 
-def test_cli_hf_assisted_needs_a_draft_model(capsys, suite):
-    code = main(["bench", "--suite", str(suite), "--methods", "hf-assisted"])
+@pytest.mark.parametrize(
+    ("methods", "message"), [("hf-assisted", "needs --draft-model"), ("ar,nope", "unknown methods nope")]
+)
+def test_cli_method_errors_come_before_loading(capsys, suite, methods, message):
+    code = main(["bench", "--model", "/no/such/model", "--suite", str(suite), "--methods", methods])
     err = capsys.readouterr().err
-    assert code == 2 and "--draft-model" in err and err.count("\n") == 1
+    assert code == 2 and message in err and err.count("\n") == 1

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import transformers
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from reader_spec.bench_methods import METHODS, BenchSetup, Generation, Method, default_methods
 from reader_spec.bench_results import REFERENCE, BatchResult, PromptResult, markdown, summarize
@@ -89,6 +90,7 @@ def run_bench(
     for method in built.values():
         method.warm_up(max(larger, default=1) if method.can_batch else 1)
     prompt_count = sum(len(q.turns) for q in questions)
+    peaks_per_run = _reset_peak_rss()
     report = BenchReport(
         environment=environment(loaded, draft),
         settings={
@@ -103,7 +105,7 @@ def run_bench(
             "questions": [q.id for q in questions],
             "prompts": prompt_count,
             "later_turns": f"carry {REFERENCE}'s earlier answers",
-            "peak_rss": "per run" if _reset_peak_rss() else "process lifetime",
+            "peak_rss": "per run" if peaks_per_run else "process lifetime",
         },
     )
     batchable = [n for n, m in built.items() if m.can_batch]
@@ -148,7 +150,13 @@ def _method_names(methods: Sequence[str] | None, with_draft: bool) -> list[str]:
 
 
 def _batch_one(
-    built: dict[str, Method], tokenizer, questions, max_new_tokens: int, repeats: int, bar, answers: Answers
+    built: dict[str, Method],
+    tokenizer: PreTrainedTokenizerBase,
+    questions: Sequence[Question],
+    max_new_tokens: int,
+    repeats: int,
+    bar: tqdm,
+    answers: Answers,
 ) -> list[PromptResult]:
     """Every turn of every question through every method in turn; fills ``answers`` with ``ar``'s."""
     results = []
@@ -165,7 +173,13 @@ def _batch_one(
     return results
 
 
-def _fill_answers(ar: Method, tokenizer, questions, max_new_tokens: int, answers: Answers) -> None:
+def _fill_answers(
+    ar: Method,
+    tokenizer: PreTrainedTokenizerBase,
+    questions: Sequence[Question],
+    max_new_tokens: int,
+    answers: Answers,
+) -> None:
     """``ar``'s answers to earlier turns where batch 1 did not run, outside any timing."""
     for question in questions:
         while len(answers.setdefault(question, [])) < len(question.turns) - 1:
@@ -182,7 +196,7 @@ def _batched(
     size: int,
     max_new_tokens: int,
     repeats: int,
-    bar,
+    bar: tqdm,
 ) -> list[BatchResult]:
     results = []
     reference: list[list[int]] = []
@@ -208,7 +222,7 @@ def _batched(
 
 
 def _measure(
-    method: Method, prompts: list[list[int]], max_new_tokens: int, batch_size: int, repeats: int, bar
+    method: Method, prompts: list[list[int]], max_new_tokens: int, batch_size: int, repeats: int, bar: tqdm
 ) -> tuple[list[Generation], float, float]:
     """The outputs and seconds of the median-time run among ``repeats``, and the peak RSS of all runs."""
     runs = []

@@ -96,14 +96,15 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--suite", help="JSONL with question_id, category, turns (default: Spec-Bench, shipped)"
     )
-    bench.add_argument("--categories", nargs="+", help="only these categories")
+    bench.add_argument(
+        "--categories", nargs="+", type=_names, help="only these categories (spaces or commas between)"
+    )
     bench.add_argument("--limit", type=int, default=None, help="questions per category (default: all)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument(
         "--methods",
         nargs="+",
-        choices=list(METHODS),
-        metavar="METHOD",
+        type=_names,
         help=f"from: {', '.join(METHODS)} (default: all; hf-assisted only with --draft-model)",
     )
     bench.add_argument(
@@ -156,15 +157,20 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.repeats < 1 or (args.limit is not None and args.limit < 1) or min(args.batch_sizes) < 1:
         raise ValueError("--repeats, --limit and --batch-sizes must be positive")
-    if args.methods and "hf-assisted" in args.methods and not args.draft_model:
+    methods = [m for group in args.methods for m in group] if args.methods else None
+    unknown = [m for m in methods or [] if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if methods and "hf-assisted" in methods and not args.draft_model:
         raise ValueError("hf-assisted needs --draft-model")
-    questions = per_category(load_questions(args.suite), args.limit, args.categories)
+    categories = [c for group in args.categories for c in group] if args.categories else None
+    questions = per_category(load_questions(args.suite), args.limit, categories)
     loaded = load_model(args.model)
     draft = load_model(args.draft_model) if args.draft_model else None
     report = run_bench(
         loaded,
         questions,
-        args.methods,
+        methods,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         batch_sizes=args.batch_sizes,
@@ -176,6 +182,11 @@ def _bench(args: argparse.Namespace) -> int:
         written = report.save(Path(args.out))
         print(f"\nwrote {', '.join(str(p) for p in written)}")
     return 0
+
+
+def _names(value: str) -> list[str]:
+    """``a,b`` as well as ``a b``: one command-line word may hold several names."""
+    return [name for name in value.split(",") if name]
 
 
 def _timed_run(engine: Engine, prompts, ids, config, batch_size: int, label: str):
