@@ -35,10 +35,11 @@ def render_plots(
 ) -> dict[str, bytes]:
     """File name to PNG bytes, for the plots the results support.
 
-    Speedups and accepted lengths need batch-1 results; the throughput curve needs a batch size above 1.
+    Speedups need batch-1 results of a method besides ``ar``, accepted lengths those of a speculative
+    method; the throughput curve needs a batch size above 1.
     """
     plots = {}
-    if prompts:
+    if any(r.method != REFERENCE for r in prompts):
         plots["speedup_by_category.png"] = speedup_plot(prompts)
         if histogram := accept_length_plot(prompts, settings):
             plots["accept_lengths.png"] = histogram
