@@ -1,72 +1,42 @@
-"""Side-by-side measurement of decoding methods on Spec-Bench-style prompts.
+"""Side-by-side measurement of decoding methods on Spec-Bench-style prompts (``reader bench``).
 
-Every method runs in the same process on the same loaded model, prompt by prompt with the methods
-interleaved (so machine drift hits all of them alike), after a warm-up; the time of a prompt is the
-median over repeats. Speedups are against ``ar``, plain decoding on the same engine, and every
-output is checked token for token against ``ar``'s.
+Every method runs in one process on the same loaded model, after one warm-up each. At batch 1 the
+methods are interleaved prompt by prompt, so machine drift hits all of them alike. A question's later
+turns carry ``ar``'s earlier answers, so every method decodes exactly the same prompts and outputs
+compare token for token. Batch runs decode every prompt (second turns included, categories
+interleaved) at each batch size above 1, with every method that can batch.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
-import statistics
+import re
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import transformers
 from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
 
-from reader_spec.config import GenerationConfig
-from reader_spec.drafters import ReaderDrafter
-from reader_spec.engine import DEFAULT_BUDGET, Engine, Output
+from reader_spec.bench_methods import METHODS, BenchSetup, Generation, Method, default_methods
+from reader_spec.bench_results import REFERENCE, BatchResult, PromptResult, markdown, summarize
+from reader_spec.config import SAMPLING_FIELDS, GenerationConfig
+from reader_spec.datastore import Datastore
+from reader_spec.engine import DEFAULT_BUDGET
 from reader_spec.loading import LoadedModel
 from reader_spec.prompts import encode_prompt
 from reader_spec.spec_bench import Question, interleave_categories
 
-MethodFactory = Callable[[LoadedModel, int], Engine]
-
-METHODS: dict[str, MethodFactory] = {
-    "ar": lambda loaded, budget: Engine(loaded),
-    "reader": lambda loaded, budget: Engine(loaded, ReaderDrafter(), budget=budget),
-}
-"""Methods of this engine; ``ar`` is the reference for speed and exactness."""
-
-
-@dataclass
-class PromptResult:
-    question: int
-    category: str
-    method: str
-    seconds: float
-    new_tokens: int
-    steps: int
-    step_tokens: int
-    drafted: int
-    accepted: int
-    draft_seconds: float
-    verify_seconds: float
-    identical: bool
-
-
-@dataclass
-class BatchResult:
-    method: str
-    batch_size: int
-    seconds: float
-    new_tokens: int
-    identical: int
-    requests: int
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.new_tokens / self.seconds if self.seconds else 0.0
+Answers = dict[Question, list[str]]
 
 
 @dataclass
@@ -76,194 +46,312 @@ class BenchReport:
     prompts: list[PromptResult] = field(default_factory=list)
     batches: list[BatchResult] = field(default_factory=list)
 
-    def category_table(self) -> list[dict]:
-        """Per category and method: speedup over ``ar``, mean accepted tokens per step, exactness."""
-        rows = []
-        categories = sorted({r.category for r in self.prompts})
-        methods = list(dict.fromkeys(r.method for r in self.prompts))
-        for category in [*categories, "overall"]:
-            chosen = [r for r in self.prompts if category in ("overall", r.category)]
-            base = sum(r.seconds for r in chosen if r.method == "ar")
-            for method in methods:
-                mine = [r for r in chosen if r.method == method]
-                seconds = sum(r.seconds for r in mine)
-                steps = sum(r.steps for r in mine)
-                rows.append(
-                    {
-                        "category": category,
-                        "method": method,
-                        "tokens_per_second": sum(r.new_tokens for r in mine) / seconds if seconds else 0.0,
-                        "speedup": base / seconds if seconds else 0.0,
-                        "mean_accepted": sum(r.step_tokens for r in mine) / steps if steps else 1.0,
-                        "identical": sum(r.identical for r in mine) / len(mine) if mine else 0.0,
-                        "draft_share": sum(r.draft_seconds for r in mine) / seconds if seconds else 0.0,
-                        "verify_share": sum(r.verify_seconds for r in mine) / seconds if seconds else 0.0,
-                    }
-                )
-        return rows
-
     def markdown(self) -> str:
-        rows = self.category_table()
-        methods = list(dict.fromkeys(r["method"] for r in rows))
-        categories = list(dict.fromkeys(r["category"] for r in rows))
-        cell = {(r["category"], r["method"]): r for r in rows}
-        lines = [
-            "| category | " + " | ".join(f"{m} speedup | {m} tokens/step" for m in methods) + " |",
-            "|---|" + "---:|---:|" * len(methods),
-        ]
-        for category in categories:
-            cells = [
-                f"{cell[category, m]['speedup']:.2f}x | {cell[category, m]['mean_accepted']:.2f}"
-                for m in methods
-            ]
-            lines.append(f"| {category} | " + " | ".join(cells) + " |")
-        category_rows = [r for r in rows if r["category"] != "overall"]
-        for m in methods:
-            speedups = [r["speedup"] for r in category_rows if r["method"] == m]
-            exact = cell["overall", m]["identical"]
-            lines.append(
-                f"\n{m}: mean speedup over categories {statistics.mean(speedups):.2f}x, "
-                f"min {min(speedups):.2f}x; outputs identical to ar: {exact:.0%}; "
-                f"{cell['overall', m]['tokens_per_second']:.1f} tokens/s"
-            )
-        if self.batches:
-            lines += ["", "| method | batch | tokens/s | speedup | identical |", "|---|---:|---:|---:|---:|"]
-            for b in self.batches:
-                base = next(x for x in self.batches if x.method == "ar" and x.batch_size == b.batch_size)
-                lines.append(
-                    f"| {b.method} | {b.batch_size} | {b.tokens_per_second:.1f} | "
-                    f"{b.tokens_per_second / base.tokens_per_second:.2f}x | {b.identical}/{b.requests} |"
-                )
-        return "\n".join(lines)
+        return markdown(self.environment, self.settings, self.prompts, self.batches)
 
-    def save(self, directory: Path) -> None:
+    def save(self, directory: Path) -> list[Path]:
+        """``results.json``, ``results.md`` and the plots, each written atomically; returns their paths."""
+        from reader_spec.bench_plots import render_plots
+
         directory.mkdir(parents=True, exist_ok=True)
         payload = {
             "environment": self.environment,
             "settings": self.settings,
-            "categories": self.category_table(),
-            "prompts": [asdict(r) for r in self.prompts],
-            "batches": [asdict(b) | {"tokens_per_second": b.tokens_per_second} for b in self.batches],
+            "summary": [vars(s) for s in summarize(self.prompts)],
+            "prompts": [r.as_dict() for r in self.prompts],
+            "batches": [b.as_dict() for b in self.batches],
         }
-        _write_atomic(directory / "results.json", json.dumps(payload, indent=1))
-        _write_atomic(directory / "results.md", self.markdown() + "\n")
+        files = {
+            "results.json": json.dumps(payload, indent=1).encode(),
+            "results.md": (self.markdown() + "\n").encode(),
+            **render_plots(self.prompts, self.batches, self.settings),
+        }
+        for name, data in files.items():
+            write_atomic(directory / name, data)
+        return [directory / name for name in files]
 
 
 def run_bench(
     loaded: LoadedModel,
     questions: Sequence[Question],
-    methods: Sequence[str] = ("ar", "reader"),
+    methods: Sequence[str] | None = None,
     *,
     max_new_tokens: int = 128,
     repeats: int = 1,
     batch_sizes: Sequence[int] = (1,),
     budget: int = DEFAULT_BUDGET,
+    draft: LoadedModel | None = None,
+    datastore: Datastore | None = None,
+    sampling: GenerationConfig | None = None,
 ) -> BenchReport:
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; choose from {sorted(METHODS)}")
-    methods = ["ar", *[m for m in methods if m != "ar"]]
-    config = GenerationConfig(max_new_tokens=max_new_tokens)
-    engines = {m: METHODS[m](loaded, budget) for m in methods}
-    for engine in engines.values():
-        engine.warm_up(max(batch_sizes))
+    """Measure ``methods`` (default: all that need no missing draft model) on ``questions``.
+
+    ``sampling`` sets how engine methods choose tokens (greedy by default; give a seed, so that every
+    method draws the same randomness and outputs stay comparable token for token).
+    """
+    names = _method_names(methods, draft is not None)
+    if repeats < 1 or not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError("repeats and batch sizes must be positive")
+    larger = sorted({b for b in batch_sizes if b > 1})
+    sampling = sampling or GenerationConfig()
+    if not sampling.greedy and sampling.seed is None:
+        raise ValueError("sampled benchmarks need a seed, so that every method draws alike")
+    setup = BenchSetup(loaded, budget, draft, datastore, sampling)
+    built = {name: METHODS[name].build(setup) for name in names}
+    for method in built.values():
+        method.warm_up(max(larger, default=1) if method.can_batch else 1)
+    prompt_count = sum(len(q.turns) for q in questions)
+    peaks_per_run = _reset_peak_rss()
     report = BenchReport(
-        environment=environment(loaded),
+        environment=environment(loaded, draft),
         settings={
-            "methods": methods,
+            "methods": names,
             "max_new_tokens": max_new_tokens,
             "repeats": repeats,
-            "batch_sizes": list(batch_sizes),
+            "batch_sizes": sorted(set(batch_sizes)),
+            "batch_1_only": [n for n, m in built.items() if not m.can_batch],
+            "speculative": [n for n, m in built.items() if m.speculative],
             "budget": budget,
+            "sampling": {k: getattr(sampling, k) for k in SAMPLING_FIELDS},
+            "datastore": str(datastore.path) if datastore is not None else None,
+            "categories": sorted({q.category for q in questions}),
             "questions": [q.id for q in questions],
+            "prompts": prompt_count,
+            "later_turns": f"carry {REFERENCE}'s earlier answers",
+            "peak_rss": "per run" if peaks_per_run else "process lifetime",
         },
     )
-    prompts = [encode_prompt(loaded.tokenizer, q.messages) for q in questions]
-    if 1 in batch_sizes:
-        with tqdm(total=len(questions) * len(methods) * repeats, desc="batch 1", unit="run") as bar:
-            for question, prompt in zip(questions, prompts, strict=True):
-                reference = None
-                for method in methods:
-                    runs = [_timed(engines[method], [prompt], config, 1, bar) for _ in range(repeats)]
-                    seconds = statistics.median(s for s, _ in runs)
-                    output = runs[0][1][0]
-                    reference = output.tokens if method == "ar" else reference
-                    report.prompts.append(_prompt_result(question, method, seconds, output, reference))
-    for batch_size in [b for b in batch_sizes if b > 1]:
-        order = interleave_categories(list(questions))
-        batch_prompts = [prompts[list(questions).index(q)] for q in order]
-        with tqdm(total=len(methods) * repeats, desc=f"batch {batch_size}", unit="run") as bar:
-            reference = None
-            for method in methods:
-                runs = [
-                    _timed(engines[method], batch_prompts, config, batch_size, bar) for _ in range(repeats)
-                ]
-                outputs = runs[0][1]
-                tokens = [o.tokens for o in outputs]
-                reference = tokens if method == "ar" else reference
-                report.batches.append(
-                    BatchResult(
-                        method,
-                        batch_size,
-                        statistics.median(s for s, _ in runs),
-                        sum(len(t) for t in tokens),
-                        sum(a == b for a, b in zip(tokens, reference, strict=True)),
-                        len(tokens),
-                    )
-                )
+    batchable = [n for n, m in built.items() if m.can_batch]
+    total = prompt_count * repeats * (len(names) * (1 in batch_sizes) + len(batchable) * len(larger))
+    answers: Answers = {}
+    with tqdm(total=total, desc="reader bench", unit="request", file=sys.stderr) as bar:
+        if 1 in batch_sizes:
+            report.prompts = _batch_one(
+                built, loaded.tokenizer, questions, max_new_tokens, repeats, bar, answers
+            )
+        if larger:
+            _fill_answers(built[REFERENCE], loaded.tokenizer, questions, max_new_tokens, answers)
+            order = interleave_categories(list(questions))
+            prompts = [
+                encode_prompt(loaded.tokenizer, turn_messages(q, t, answers.get(q, [])))
+                for q in order
+                for t in range(len(q.turns))
+            ]
+            for size in larger:
+                report.batches += _batched(built, batchable, prompts, size, max_new_tokens, repeats, bar)
     return report
 
 
-def _timed(engine: Engine, prompts, config, batch_size: int, bar) -> tuple[float, list[Output]]:
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, config, batch_size=batch_size)
-    seconds = time.perf_counter() - start
-    bar.update()
-    return seconds, outputs
+def turn_messages(question: Question, turn: int, answers: Sequence[str]) -> list[dict[str, str]]:
+    """Turn ``turn`` of a question as chat messages, each earlier turn followed by its answer."""
+    messages = []
+    for earlier in range(turn):
+        messages += [
+            {"role": "user", "content": question.turns[earlier]},
+            {"role": "assistant", "content": answers[earlier]},
+        ]
+    return [*messages, {"role": "user", "content": question.turns[turn]}]
+
+
+def _method_names(methods: Sequence[str] | None, with_draft: bool) -> list[str]:
+    """The reference first, no duplicates; unknown names fail before any model work."""
+    names = list(methods) if methods is not None else default_methods(with_draft)
+    unknown = [m for m in names if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from {', '.join(METHODS)}")
+    return list(dict.fromkeys([REFERENCE, *names]))
+
+
+def _batch_one(
+    built: dict[str, Method],
+    tokenizer: PreTrainedTokenizerBase,
+    questions: Sequence[Question],
+    max_new_tokens: int,
+    repeats: int,
+    bar: tqdm,
+    answers: Answers,
+) -> list[PromptResult]:
+    """Every turn of every question through every method in turn; fills ``answers`` with ``ar``'s."""
+    results = []
+    for question in questions:
+        answers[question] = []
+        for turn in range(len(question.turns)):
+            prompt = encode_prompt(tokenizer, turn_messages(question, turn, answers[question]))
+            reference: list[int] = []
+            for name, method in built.items():
+                (output,), seconds, peak = _measure(method, [prompt], max_new_tokens, 1, repeats, bar)
+                reference = output.tokens if name == REFERENCE else reference
+                results.append(_prompt_result(question, turn, name, prompt, output, seconds, peak, reference))
+            answers[question].append(tokenizer.decode(reference, skip_special_tokens=True))
+    return results
+
+
+def _fill_answers(
+    ar: Method,
+    tokenizer: PreTrainedTokenizerBase,
+    questions: Sequence[Question],
+    max_new_tokens: int,
+    answers: Answers,
+) -> None:
+    """``ar``'s answers to earlier turns where batch 1 did not run, outside any timing."""
+    for question in questions:
+        while len(answers.setdefault(question, [])) < len(question.turns) - 1:
+            turn = len(answers[question])
+            prompt = encode_prompt(tokenizer, turn_messages(question, turn, answers[question]))
+            (output,) = ar.generate([prompt], max_new_tokens, 1, lambda: None)
+            answers[question].append(tokenizer.decode(output.tokens, skip_special_tokens=True))
+
+
+def _batched(
+    built: dict[str, Method],
+    batchable: list[str],
+    prompts: list[list[int]],
+    size: int,
+    max_new_tokens: int,
+    repeats: int,
+    bar: tqdm,
+) -> list[BatchResult]:
+    results = []
+    reference: list[list[int]] = []
+    for name in batchable:
+        outputs, seconds, peak = _measure(built[name], prompts, max_new_tokens, size, repeats, bar)
+        tokens = [o.tokens for o in outputs]
+        reference = tokens if name == REFERENCE else reference
+        results.append(
+            BatchResult(
+                method=name,
+                batch_size=size,
+                seconds=seconds,
+                requests=len(outputs),
+                new_tokens=sum(len(t) for t in tokens),
+                steps=sum(len(o.accept_lengths) for o in outputs),
+                step_tokens=sum(sum(o.accept_lengths) for o in outputs),
+                drafted=sum(o.drafted for o in outputs),
+                identical=sum(a == b for a, b in zip(tokens, reference, strict=True)),
+                peak_rss_mib=peak,
+            )
+        )
+    return results
+
+
+def _measure(
+    method: Method, prompts: list[list[int]], max_new_tokens: int, batch_size: int, repeats: int, bar: tqdm
+) -> tuple[list[Generation], float, float]:
+    """The outputs and seconds of the median-time run among ``repeats``, and the peak RSS of all runs."""
+    runs = []
+    peak = 0.0
+    for _ in range(repeats):
+        _reset_peak_rss()
+        start = time.perf_counter()
+        outputs = method.generate(prompts, max_new_tokens, batch_size, bar.update)
+        runs.append((time.perf_counter() - start, outputs))
+        peak = max(peak, _peak_rss_mib())
+    seconds, outputs = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
+    return outputs, seconds, peak
 
 
 def _prompt_result(
-    question: Question, method: str, seconds: float, output: Output, reference
+    question: Question,
+    turn: int,
+    method: str,
+    prompt: list[int],
+    output: Generation,
+    seconds: float,
+    peak: float,
+    reference: list[int],
 ) -> PromptResult:
-    s = output.stats
     return PromptResult(
         question=question.id,
         category=question.category,
+        turn=turn,
         method=method,
         seconds=seconds,
-        new_tokens=s.new_tokens,
-        steps=s.steps,
-        step_tokens=s.step_tokens,
-        drafted=s.drafted,
-        accepted=s.accepted,
-        draft_seconds=s.draft_seconds,
-        verify_seconds=s.verify_seconds,
+        prompt_tokens=len(prompt),
+        new_tokens=len(output.tokens),
+        accept_lengths=output.accept_lengths,
+        drafted=output.drafted,
+        draft_seconds=output.draft_seconds,
+        verify_seconds=output.verify_seconds,
         identical=output.tokens == reference,
+        peak_rss_mib=peak,
     )
 
 
-def environment(loaded: LoadedModel) -> dict:
+def _reset_peak_rss() -> bool:
+    """Restart the kernel's resident-set high-water mark (Linux), so that a peak belongs to one run."""
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
+        Path("/proc/self/clear_refs").write_text("5")
     except OSError:
-        commit = ""
+        return False
+    return True
+
+
+def _peak_rss_mib() -> float:
+    """The process's resident-set high-water mark since the last reset, else over its lifetime."""
+    try:
+        found = re.search(r"^VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+    except OSError:
+        found = None
+    if found:
+        return int(found.group(1)) / 1024
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB elsewhere
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+def environment(loaded: LoadedModel, draft: LoadedModel | None = None) -> dict:
     return {
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": _cpu_model(),
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "model": loaded.name,
+        "draft_model": draft.name if draft is not None else None,
         "dtype": str(loaded.model.dtype),
-        "commit": commit,
-        "date": time.strftime("%Y-%m-%d"),
+        "commit": _git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str:
+    """The source checkout's commit, ``-dirty`` when it has changes; empty outside a checkout."""
+    try:
+        result = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=12"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError:
+        return ""
+    return result.stdout.strip() if result.returncode == 0 else ""
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write through a temporary file in the same directory, so readers never see half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp's 0600 would make results private to their writer
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

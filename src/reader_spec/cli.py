@@ -13,7 +13,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from reader_spec.config import GenerationConfig
+from reader_spec.bench_methods import METHODS
+from reader_spec.config import SAMPLING_FIELDS, GenerationConfig
 from reader_spec.datastore import META_FILE, Datastore, DatastoreError, check_output
 from reader_spec.drafters import ReaderDrafter
 from reader_spec.drafters.history import DEFAULT_MAX_TOKENS
@@ -95,28 +96,42 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="measure methods side by side on Spec-Bench",
-        description="Run prompts through several decoding methods in one process and report speedups over "
-        "plain decoding (ar), mean accepted tokens per step and exactness, per category.",
+        description="Run Spec-Bench prompts (both turns of two-turn questions) through several decoding "
+        "methods in one process and report, per category, the speedup over plain decoding (ar), mean "
+        "accepted tokens per step, exactness against ar, time shares and peak memory; then throughput at "
+        "larger batch sizes.",
     )
     bench.add_argument(
         "--model", help="hub id, local directory or .gguf file (default: SmolLM2-135M-Instruct)"
     )
     bench.add_argument(
+        "--draft-model", help="draft model for hf-assisted (hub id, directory or .gguf); enables hf-assisted"
+    )
+    bench.add_argument(
         "--suite", help="JSONL with question_id, category, turns (default: Spec-Bench, shipped)"
     )
-    bench.add_argument("--categories", nargs="+", help="only these categories")
-    bench.add_argument("--limit", type=int, default=None, help="prompts per category (default: all)")
+    bench.add_argument(
+        "--categories", nargs="+", type=_names, help="only these categories (spaces or commas between)"
+    )
+    bench.add_argument("--limit", type=int, default=None, help="questions per category (default: all)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument(
         "--methods",
         nargs="+",
-        help="from: ar, reader (default: both); with --replay, from: pld, suffix, reader (default: all), "
-        "space- or comma-separated",
+        type=_names,
+        help=f"from: {', '.join(METHODS)} (default: all; hf-assisted only with --draft-model); with "
+        "--replay, from: pld, suffix, reader (default: all)",
     )
-    bench.add_argument("--batch-sizes", nargs="+", type=int, default=[1])
-    bench.add_argument("--repeats", type=int, default=1, help="runs per prompt; the median time counts")
-    bench.add_argument("--budget", type=int, default=DEFAULT_BUDGET)
-    bench.add_argument("--out", help="directory for results.json and results.md")
+    bench.add_argument(
+        "--batch-sizes", nargs="+", type=int, default=[1], help="1: per-prompt figures; above 1: throughput"
+    )
+    bench.add_argument("--repeats", type=int, default=1, help="runs per prompt; the median-time run counts")
+    bench.add_argument(
+        "--budget", type=int, default=DEFAULT_BUDGET, help="draft budget of engine methods without their own"
+    )
+    bench.add_argument("--out", help="directory for results.json, results.md and PNG plots")
+    bench.add_argument("--datastore", metavar="DIR", help="corpus datastore for the reader method")
+    _add_sampling_options(bench)
     bench.add_argument(
         "--replay",
         metavar="FILE",
@@ -141,16 +156,13 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, help="makes sampled output reproducible, whatever the drafter")
 
 
+def _sampling_settings(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in SAMPLING_FIELDS}
+
+
 def _request_configs(args: argparse.Namespace, records: list[InputRecord]) -> list[GenerationConfig]:
     base = GenerationConfig(
-        max_new_tokens=args.max_new_tokens,
-        stop_strings=tuple(args.stop),
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
+        max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop), **_sampling_settings(args)
     )
     configs = []
     for record in records:
@@ -255,21 +267,35 @@ def _bench(args: argparse.Namespace) -> int:
 
     if args.repeats < 1 or (args.limit is not None and args.limit < 1) or min(args.batch_sizes) < 1:
         raise ValueError("--repeats, --limit and --batch-sizes must be positive")
-    questions = per_category(load_questions(args.suite), args.limit, args.categories)
+    methods = [m for group in args.methods for m in group] if args.methods else None
+    unknown = [m for m in methods or [] if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown methods {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if methods and "hf-assisted" in methods and not args.draft_model:
+        raise ValueError("hf-assisted needs --draft-model")
+    categories = [c for group in args.categories for c in group] if args.categories else None
+    questions = per_category(load_questions(args.suite), args.limit, categories)
     loaded = load_model(args.model)
+    draft = load_model(args.draft_model) if args.draft_model else None
+    datastore = Datastore.open(args.datastore, fingerprint=loaded.fingerprint) if args.datastore else None
+    # Every method must draw the same randomness for outputs to compare: a seed is always set.
+    sampling = GenerationConfig(**{**_sampling_settings(args), "seed": args.seed or 0})
     report = run_bench(
         loaded,
         questions,
-        args.methods or ["ar", "reader"],
+        methods,
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
         batch_sizes=args.batch_sizes,
         budget=args.budget,
+        draft=draft,
+        datastore=datastore,
+        sampling=sampling,
     )
     print(report.markdown())
     if args.out:
-        report.save(Path(args.out))
-        print(f"\nwrote {Path(args.out) / 'results.json'} and {Path(args.out) / 'results.md'}")
+        written = report.save(Path(args.out))
+        print(f"\nwrote {', '.join(str(p) for p in written)}")
     return 0
 
 
@@ -347,7 +373,7 @@ def _bench_replay(args: argparse.Namespace) -> int:
     from reader_spec.loading import load_tokenizer, weights_cache_dir
     from reader_spec.replay import METHODS, load_conversations, run_replay
 
-    methods = [m for arg in args.methods or [",".join(METHODS)] for m in arg.split(",") if m]
+    methods = [m for names in args.methods or [list(METHODS)] for m in names]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"unknown replay method {', '.join(unknown)}; choose from {', '.join(METHODS)}")
@@ -365,6 +391,11 @@ def _bench_replay(args: argparse.Namespace) -> int:
         report.save(Path(args.out))
         print(f"\nwrote {Path(args.out) / 'replay.json'} and {Path(args.out) / 'replay.md'}")
     return 0
+
+
+def _names(value: str) -> list[str]:
+    """``a,b`` as well as ``a b``: one command-line word may hold several names."""
+    return [name for name in value.split(",") if name]
 
 
 def _timed_run(engine: Engine, prompts, ids, config, batch_size: int, label: str):

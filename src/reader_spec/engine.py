@@ -49,7 +49,9 @@ class RequestStats:
     steps: int = 0
     """Verification passes after prefill; each emits the accepted drafts plus one bonus token."""
     step_tokens: int = 0
-    """Tokens emitted by those passes (excludes the first token, which comes from prefill)."""
+    """Tokens emitted by those passes (all of them: prefill stops before the last prompt token)."""
+    accept_lengths: list[int] = field(default_factory=list)
+    """Tokens each pass emitted, bonus included (Spec-Bench's accept lengths; sums to ``step_tokens``)."""
     drafted: int = 0
     accepted: int = 0
     accepted_by_source: dict[str, int] = field(default_factory=dict)
@@ -231,6 +233,7 @@ class Engine:
             stats = seq.stats
             stats.steps += 1
             stats.step_tokens += len(kept)
+            stats.accept_lengths.append(len(kept))
             stats.new_tokens += len(kept)
             stats.drafted += len(proposal)
             stats.accepted += len(path) - 1
@@ -265,7 +268,7 @@ class Engine:
     def _stop_criteria(self, config: GenerationConfig) -> StopCriteria:
         eos = config.eos_token_ids
         if eos is None:
-            eos = _model_eos_ids(self.model, self.tokenizer)
+            eos = model_eos_ids(self.model, self.tokenizer)
         return StopCriteria(config.max_new_tokens, frozenset(eos), config.stop_strings, self.tokenizer)
 
     def _ensure_runner(self, slots: int, capacity: int) -> ModelRunner:
@@ -319,7 +322,8 @@ def _per_request(
     return configs
 
 
-def _model_eos_ids(model, tokenizer) -> tuple[int, ...]:
+def model_eos_ids(model, tokenizer) -> tuple[int, ...]:
+    """The end-of-sequence ids the engine stops at by default, for other decoders to stop alike."""
     eos = getattr(model.generation_config, "eos_token_id", None)
     if eos is None:
         eos = tokenizer.eos_token_id

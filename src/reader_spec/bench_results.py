@@ -1,0 +1,264 @@
+"""Benchmark figures, their Spec-Bench aggregations, and the Markdown report.
+
+Definitions (the README's Benchmark section says the same):
+
+- *tokens/s* per category: each question's new tokens over its seconds, both turns together, averaged
+  over questions (Spec-Bench's ``speed.py``); *speedup* is a method's tokens/s over ``ar``'s. For a
+  category of one single-turn question that is ``ar`` seconds / method seconds.
+- *tokens/step* (mean accepted tokens): all tokens emitted over all target-model steps, the bonus token
+  included, i.e. the mean of Spec-Bench's per-step accept lengths; plain decoding scores exactly 1.00.
+- *identical*: the share of outputs (one per turn) equal token for token to ``ar``'s on the same prompt.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+OVERALL = "overall"
+REFERENCE = "ar"
+
+
+@dataclass
+class PromptResult:
+    """One method on one turn of one question, at batch 1."""
+
+    question: int
+    category: str
+    turn: int
+    method: str
+    seconds: float
+    prompt_tokens: int
+    new_tokens: int
+    accept_lengths: list[int]
+    drafted: int
+    draft_seconds: float
+    verify_seconds: float
+    identical: bool
+    peak_rss_mib: float
+
+    @property
+    def steps(self) -> int:
+        return len(self.accept_lengths)
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"steps": self.steps}
+
+
+@dataclass
+class BatchResult:
+    """One method decoding every prompt at one batch size."""
+
+    method: str
+    batch_size: int
+    seconds: float
+    requests: int
+    new_tokens: int
+    steps: int
+    """Steps summed over sequences: a sequence's step is one verification of its draft."""
+    step_tokens: int
+    drafted: int
+    identical: int
+    peak_rss_mib: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.step_tokens / self.steps if self.steps else 1.0
+
+    @property
+    def drafted_per_step(self) -> float:
+        return self.drafted / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {
+            "tokens_per_second": self.tokens_per_second,
+            "mean_accepted": self.mean_accepted,
+            "drafted_per_step": self.drafted_per_step,
+        }
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One method over one category (or ``overall``) at batch 1."""
+
+    category: str
+    method: str
+    questions: int
+    prompts: int
+    tokens_per_second: float
+    speedup: float
+    mean_accepted: float
+    drafted_per_step: float
+    identical: float
+    draft_share: float
+    verify_share: float
+    other_share: float
+    """Time outside drafting and the target's forwards: acceptance, caches, framework overhead."""
+    peak_rss_mib: float
+
+
+def question_speed(results: Iterable[PromptResult]) -> float:
+    """Spec-Bench's tokens/s: per question (all turns together), then averaged over questions."""
+    tokens: dict[tuple[str, int], int] = defaultdict(int)
+    seconds: dict[tuple[str, int], float] = defaultdict(float)
+    for r in results:
+        tokens[r.category, r.question] += r.new_tokens
+        seconds[r.category, r.question] += r.seconds
+    rates = [tokens[q] / seconds[q] for q in tokens if seconds[q] > 0]
+    return statistics.fmean(rates) if rates else 0.0
+
+
+def mean_accepted(accept_lengths: Iterable[Sequence[int]]) -> float:
+    """Mean tokens per step, bonus included, over every step of every output (no steps: 1.0)."""
+    tokens = steps = 0
+    for lengths in accept_lengths:
+        tokens += sum(lengths)
+        steps += len(lengths)
+    return tokens / steps if steps else 1.0
+
+
+def summarize(results: Sequence[PromptResult]) -> list[Summary]:
+    """Per category, then ``overall``, per method in order of first appearance."""
+    methods = list(dict.fromkeys(r.method for r in results))
+    categories = sorted({r.category for r in results})
+    rows = []
+    for category in [*categories, OVERALL]:
+        chosen = [r for r in results if category in (OVERALL, r.category)]
+        base = question_speed(r for r in chosen if r.method == REFERENCE)
+        for method in methods:
+            rows.append(_summary(category, method, [r for r in chosen if r.method == method], base))
+    return rows
+
+
+def _summary(category: str, method: str, mine: list[PromptResult], base: float) -> Summary:
+    speed = question_speed(mine)
+    seconds = sum(r.seconds for r in mine)
+    steps = sum(r.steps for r in mine)
+    draft = sum(r.draft_seconds for r in mine) / seconds if seconds else 0.0
+    verify = sum(r.verify_seconds for r in mine) / seconds if seconds else 0.0
+    return Summary(
+        category=category,
+        method=method,
+        questions=len({(r.category, r.question) for r in mine}),
+        prompts=len(mine),
+        tokens_per_second=speed,
+        speedup=speed / base if base else 0.0,
+        mean_accepted=mean_accepted(r.accept_lengths for r in mine),
+        drafted_per_step=sum(r.drafted for r in mine) / steps if steps else 0.0,
+        identical=sum(r.identical for r in mine) / len(mine) if mine else 0.0,
+        draft_share=draft,
+        verify_share=verify,
+        other_share=max(0.0, 1.0 - draft - verify),
+        peak_rss_mib=max((r.peak_rss_mib for r in mine), default=0.0),
+    )
+
+
+def total_throughput(results: Iterable[PromptResult], method: str) -> float:
+    """All new tokens over all seconds at batch 1: the batch-1 point of a throughput curve."""
+    mine = [r for r in results if r.method == method]
+    seconds = sum(r.seconds for r in mine)
+    return sum(r.new_tokens for r in mine) / seconds if seconds else 0.0
+
+
+def batch_speedup(result: BatchResult, batches: Sequence[BatchResult]) -> float:
+    """Throughput over ``ar``'s at the same batch size."""
+    base = next((b for b in batches if b.method == REFERENCE and b.batch_size == result.batch_size), None)
+    return result.tokens_per_second / base.tokens_per_second if base and base.tokens_per_second else 0.0
+
+
+def markdown(
+    environment: dict, settings: dict, prompts: Sequence[PromptResult], batches: Sequence[BatchResult]
+) -> str:
+    lines = [f"# reader bench: {environment.get('model', '?')}", "", _header(environment, settings, prompts)]
+    if prompts:
+        rows = summarize(prompts)
+        lines += ["", *_category_table(rows), "", *_overall_table(rows)]
+    larger = [b for b in settings.get("batch_sizes", []) if b > 1]
+    if larger:
+        lines += ["", *_batch_table(batches, larger, settings)]
+    lines += ["", *_legend()]
+    return "\n".join(lines)
+
+
+def _header(environment: dict, settings: dict, prompts: Sequence[PromptResult]) -> str:
+    questions = settings.get("questions", [])
+    return (
+        f"{len(questions)} questions ({settings.get('prompts', len(questions))} prompts, second turns "
+        f"included) in {len(settings.get('categories', []))} categories; greedy, "
+        f"{settings.get('max_new_tokens')} new tokens, {settings.get('repeats')} repeat(s). "
+        f"{environment.get('cpu', '?')}, {environment.get('threads', '?')} threads; torch "
+        f"{environment.get('torch', '?')}, transformers {environment.get('transformers', '?')}; "
+        f"commit {environment.get('commit') or '?'}, {environment.get('date', '?')}."
+    )
+
+
+def _category_table(rows: list[Summary]) -> list[str]:
+    methods = [m for m in dict.fromkeys(r.method for r in rows) if m != REFERENCE]
+    cell = {(r.category, r.method): r for r in rows}
+    categories = list(dict.fromkeys(r.category for r in rows))
+    lines = [
+        "Speedup over ar by category (mean accepted tokens per step in brackets):",
+        "",
+        "| " + " | ".join(["category", "ar tokens/s", *methods]) + " |",
+        "|---|---:|" + "---:|" * len(methods),
+    ]
+    for category in categories:
+        name = f"**{category}**" if category == OVERALL else category
+        cells = [f"{cell[category, m].speedup:.2f}x ({cell[category, m].mean_accepted:.2f})" for m in methods]
+        ar = cell[category, REFERENCE].tokens_per_second
+        lines.append("| " + " | ".join([name, f"{ar:.1f}", *cells]) + " |")
+    return lines
+
+
+def _overall_table(rows: list[Summary]) -> list[str]:
+    lines = [
+        "Overall at batch 1 (time shares of each method's wall time; peak RSS of the whole process):",
+        "",
+        "| method | tokens/s | speedup | tokens/step | drafted/step | identical to ar "
+        "| draft | verify | other | peak RSS MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in (r for r in rows if r.category == OVERALL):
+        lines.append(
+            f"| {r.method} | {r.tokens_per_second:.1f} | {r.speedup:.2f}x | {r.mean_accepted:.2f} | "
+            f"{r.drafted_per_step:.1f} | {r.identical:.0%} | {r.draft_share:.1%} | {r.verify_share:.1%} | "
+            f"{r.other_share:.1%} | {r.peak_rss_mib:.0f} |"
+        )
+    return lines
+
+
+def _batch_table(batches: Sequence[BatchResult], sizes: list[int], settings: dict) -> list[str]:
+    lines = [
+        f"Batches (all {settings.get('prompts')} prompts, categories interleaved; whole-run throughput):",
+        "",
+        "| method | batch | tokens/s | speedup | tokens/step | drafted/step | identical to ar "
+        "| peak RSS MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for size in sizes:
+        for b in (b for b in batches if b.batch_size == size):
+            lines.append(
+                f"| {b.method} | {size} | {b.tokens_per_second:.1f} | {batch_speedup(b, batches):.2f}x | "
+                f"{b.mean_accepted:.2f} | {b.drafted_per_step:.1f} | {b.identical}/{b.requests} | "
+                f"{b.peak_rss_mib:.0f} |"
+            )
+        for method in settings.get("batch_1_only", []):
+            lines.append(f"| {method} | {size} | n/a | n/a | n/a | n/a | batch 1 only | n/a |")
+    return lines
+
+
+def _legend() -> list[str]:
+    return [
+        "speedup: tokens/s over ar's, tokens/s per question (both turns) averaged over questions "
+        "(Spec-Bench); in batches, whole-run throughput over ar's at the same batch size. "
+        "tokens/step: tokens emitted per target-model step, bonus included (plain decoding 1.00). "
+        "drafted/step: draft tokens verified per step and sequence. identical to ar: outputs equal "
+        "token for token to ar's on the same prompt. verify: the target model's forward passes, prefill "
+        "included; draft: proposing (not separable for hf-pld, whose search counts under other)."
+    ]
