@@ -184,6 +184,8 @@ def test_checksum_only_with_verify(store_dir):
         (lambda meta: {**meta, "format": "something else"}, "not a reader-spec datastore"),
         (lambda meta: {k: v for k, v in meta.items() if k != "tokens"}, "damaged"),
         (lambda meta: [1, 2], "not a reader-spec datastore"),
+        (lambda meta: {**meta, "files": {**meta["files"], TOKENS_FILE: {}}}, "damaged"),
+        (lambda meta: _set_length(meta, TOKENS_FILE, 0), "damaged"),
     ],
 )
 def test_bad_meta(store_dir, edit, message):
@@ -191,6 +193,11 @@ def test_bad_meta(store_dir, edit, message):
     path.write_text(json.dumps(edit(json.loads(path.read_text()))))
     with pytest.raises(DatastoreError, match=message):
         Datastore.open(store_dir)
+
+
+def _set_length(meta: dict, name: str, length: int) -> dict:
+    files = {**meta["files"], name: {**meta["files"][name], "length": length, "bytes": 0}}
+    return {**meta, "files": files}
 
 
 def test_missing_or_garbage_meta(store_dir, tmp_path):

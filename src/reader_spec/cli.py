@@ -349,24 +349,29 @@ def _index_info(args: argparse.Namespace) -> int:
 
 def _print_datastore(store: Datastore, verified: bool, shown_sources: int = 10) -> None:
     meta = store.meta
-    files = ", ".join(f"{name} {_megabytes(f.bytes)}" for name, f in meta.files.items())
+    files = ", ".join(f"{name} {_size(f.bytes)}" for name, f in meta.files.items())
     print(f"datastore: {store.path}")
     print(f"tokens: {meta.tokens:,} in {meta.documents:,} documents")
-    print(f"size on disk: {_megabytes(store.disk_bytes)} ({files}, {META_FILE})")
+    print(f"size on disk: {_size(store.disk_bytes)} ({files}, {META_FILE})")
     print(f"model: {meta.model}")
     print(f"tokenizer fingerprint: {meta.tokenizer_fingerprint}")
     print(f"built: {meta.built} in {meta.build_seconds:.1f} s, format version {meta.format_version}")
     print(f"checksums: {'verified' if verified else 'not checked (--verify checks them)'}")
     print(f"sources: {len(meta.sources)}")
     for source in meta.sources[:shown_sources]:
-        details = "".join(f", {k} {v}" for k, v in source.items() if k not in ("path", "bytes"))
-        print(f"  {source.get('path')} ({_megabytes(source.get('bytes', 0))}{details})")
+        shown = {k: v for k, v in source.items() if k not in ("path", "bytes") and (k, v) != ("kind", "file")}
+        details = "".join(f", {k} {v}" for k, v in shown.items())
+        print(f"  {source.get('path')} ({_size(source.get('bytes', 0))}{details})")
     if len(meta.sources) > shown_sources:
         print(f"  ... and {len(meta.sources) - shown_sources} more")
 
 
-def _megabytes(size: int) -> str:
-    return f"{size / 1e6:.1f} MB"
+def _size(size: float) -> str:
+    for unit in ("B", "kB", "MB"):
+        if size < 1000:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.2f} GB"
 
 
 def _bench_replay(args: argparse.Namespace) -> int:

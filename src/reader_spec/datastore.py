@@ -324,6 +324,9 @@ def read_meta(path: Path) -> Meta:
         files = {name: ArrayFile(**raw["files"][name]) for name in (TOKENS_FILE, SUFFIX_ARRAY_FILE)}
         known = {k: v for k, v in raw.items() if k in Meta.__dataclass_fields__}
         meta = Meta(**{**known, "files": files})
+        lengths = {info.length for info in files.values()}
+        if len(lengths) != 1 or min(lengths) < 3:  # the smallest stream is SEP token SEP
+            raise ValueError("array lengths disagree")
         for info in files.values():
             if np.dtype(info.dtype).itemsize * info.length != info.bytes:
                 raise ValueError("array sizes disagree")
