@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from reader_spec.budget import CostModel
 from reader_spec.config import GenerationConfig
+from reader_spec.datastore import Datastore
 from reader_spec.drafters import ReaderDrafter
 from reader_spec.engine import Engine
 from reader_spec.tree import EMPTY_PROPOSAL, Proposal, chain_proposal
@@ -269,3 +271,19 @@ def test_greedy_with_repetition_penalty_equals_transformers(tiny, prompts):
 def test_per_request_configs_must_match_the_prompts(tiny, prompts):
     with pytest.raises(ValueError, match="2 generation configs for 3 prompts"):
         Engine(tiny).generate(prompts[:3], [NO_EOS, NO_EOS])
+
+
+def test_all_sources_on_are_exact_and_each_is_credited(tiny, prompts, plain_outputs, tmp_path):
+    """A datastore of the model's own answers drafts most tokens; greedy and sampled output stay exact."""
+    answers = [p + o.tokens for p, o in zip(prompts, plain_outputs, strict=True)]
+    store = Datastore.build(tmp_path / "store", answers, fingerprint=tiny.fingerprint, model=tiny.name)
+    engine = Engine(tiny, ReaderDrafter(datastore=store), budget=8, costs=FLAT_COSTS)
+    greedy = engine.generate(prompts, NO_EOS, batch_size=3)
+    assert [o.tokens for o in greedy] == [o.tokens for o in plain_outputs]
+    credited = Counter()
+    for o in greedy:
+        credited.update(o.stats.accepted_by_source)
+    assert credited["datastore"] > sum(o.stats.new_tokens for o in greedy) / 2
+    sampled = engine.generate(prompts, mixed_configs(len(prompts)), batch_size=4)
+    plain = Engine(tiny).generate(prompts, mixed_configs(len(prompts)))
+    assert [o.tokens for o in sampled] == [o.tokens for o in plain]

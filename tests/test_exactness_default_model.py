@@ -1,5 +1,7 @@
 """End to end on the default model: speculative output equals plain output, greedy and sampled.
 
+The drafter has every source on: the request's own text, earlier responses, and a corpus datastore.
+
 40 Spec-Bench prompts covering all 13 categories, 128 new tokens each, at batch 1 and at batch 8
 with categories (and so prompt lengths) mixed in every batch. Seeded sampling (temperatures 0.7 and
 1.0, top-p 0.9) is compared the same way, every prompt at both temperatures, with the plain reference
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from reader_spec.config import GenerationConfig
+from reader_spec.datastore import Datastore
 from reader_spec.drafters import ReaderDrafter
 from reader_spec.engine import Engine
 from reader_spec.prompts import encode_prompt
@@ -39,6 +42,19 @@ def questions():
 @pytest.fixture(scope="module")
 def prompts(smollm, questions):
     return [encode_prompt(smollm.tokenizer, q.messages) for q in questions]
+
+
+@pytest.fixture(scope="module")
+def drafter(smollm, tmp_path_factory):
+    """Every source on: the request's text, earlier responses, and a datastore of all Spec-Bench turns."""
+    turns = [smollm.tokenizer(turn)["input_ids"] for q in load_questions() for turn in q.turns]
+    store = Datastore.build(
+        tmp_path_factory.mktemp("store") / "spec-bench",
+        turns,
+        fingerprint=smollm.fingerprint,
+        model=smollm.name,
+    )
+    return lambda: ReaderDrafter(datastore=store)
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +106,14 @@ def test_plain_engine_equals_transformers_generate(smollm, prompts, plain):
         assert generated == tokens
 
 
-def test_speculative_batch_1_equals_plain(smollm, prompts, questions, plain):
-    outputs = Engine(smollm, ReaderDrafter()).generate(prompts, CONFIG, batch_size=1)
+def test_speculative_batch_1_equals_plain(smollm, prompts, questions, plain, drafter):
+    outputs = Engine(smollm, drafter()).generate(prompts, CONFIG, batch_size=1)
     assert_same_or_near_tie(smollm, prompts, questions, plain, [o.tokens for o in outputs], "batch 1")
     assert sum(o.stats.accepted for o in outputs) > 200  # drafts were really verified and accepted
 
 
-def test_speculative_batch_8_mixed_equals_plain(smollm, prompts, questions, plain):
-    outputs = Engine(smollm, ReaderDrafter()).generate(prompts, CONFIG, batch_size=8)
+def test_speculative_batch_8_mixed_equals_plain(smollm, prompts, questions, plain, drafter):
+    outputs = Engine(smollm, drafter()).generate(prompts, CONFIG, batch_size=8)
     assert_same_or_near_tie(smollm, prompts, questions, plain, [o.tokens for o in outputs], "batch 8")
     assert sum(o.stats.accepted for o in outputs) > 200
 
@@ -125,9 +141,11 @@ def plain_sampled(smollm, prompts, questions):
 
 
 @pytest.mark.parametrize(("batch_size", "shift"), [(1, 0), (8, 1)])
-def test_seeded_sampling_equals_plain_sampling(smollm, prompts, questions, plain_sampled, batch_size, shift):
+def test_seeded_sampling_equals_plain_sampling(
+    smollm, prompts, questions, plain_sampled, drafter, batch_size, shift
+):
     configs = sampled_configs(questions, shift)
-    outputs = Engine(smollm, ReaderDrafter()).generate(prompts, configs, batch_size=batch_size)
+    outputs = Engine(smollm, drafter()).generate(prompts, configs, batch_size=batch_size)
     label = f"sampling batch {batch_size}"
     got = [o.tokens for o in outputs]
     assert_same_or_near_tie(smollm, prompts, questions, plain_sampled[shift], got, label, configs)
