@@ -358,3 +358,24 @@ def test_cli_build_from_model_answers(capsys, tiny, tiny_llama_dir, tmp_path, is
 def test_cli_errors_are_one_line(capsys, argv, message):
     code, out, err = run(capsys, *argv)
     assert code == 2 and message in err and err.count("\n") == 1 and not out
+
+
+def test_generate_drafts_from_a_datastore_and_refuses_another_tokenizers(
+    capsys, tiny, tiny_llama_dir, tmp_path, isolated_cache
+):
+    prompt = "w5 w6 w7 w8"
+    answer = Engine(tiny).generate([prompt], GenerationConfig(max_new_tokens=12, eos_token_ids=()))[0]
+    tokens = tiny.tokenizer(prompt)["input_ids"] + answer.tokens
+    store = Datastore.build(tmp_path / "ok", [tokens], fingerprint=tiny.fingerprint, model=tiny.name)
+    code, out, _ = run(
+        capsys, "generate", "--model", tiny_llama_dir, "--prompt", prompt, "--max-new-tokens", 12,
+        "--datastore", store.path, "--json",
+    )  # fmt: skip
+    request = json.loads(out)["requests"][0]
+    assert code == 0 and request["tokens"] == answer.tokens[: len(request["tokens"])]
+    assert request["stats"]["accepted_by_source"].get("datastore", 0) > 0
+    other = Datastore.build(tmp_path / "other", [tokens], fingerprint="another-tokenizer", model="x")
+    code, out, err = run(
+        capsys, "generate", "--model", tiny_llama_dir, "--prompt", "w5", "--datastore", other.path
+    )
+    assert code == 2 and "another tokenizer" in err and err.count("\n") == 1 and not out
