@@ -286,8 +286,9 @@ class ReplayReport:
 
     def markdown(self) -> str:
         s = self.settings
+        source = f" of {s['file']}" if "file" in s else ""
         lines = [
-            f"Replay of {s['file']} ({s['tasks']} tasks, {s['turns']} turns, {s['tokens']} recorded tokens), "
+            f"Replay{source} ({s['tasks']} tasks, {s['turns']} turns, {s['tokens']} recorded tokens), "
             f"budget {s['budget']} nodes per step, {s['seconds']:.0f} s in all.",
             "",
             "| method | tokens/step | drafted/accepted | steps | accepted | drafted | seconds | drafter s | "
