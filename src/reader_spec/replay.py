@@ -35,9 +35,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from reader_spec.drafters import ContextDrafter, Drafter
-from reader_spec.drafters.pld import PromptLookupDrafter
-from reader_spec.drafters.suffix import SuffixDecodingDrafter
+from reader_spec.drafters import ContextDrafter, Drafter, PromptLookupDrafter, SuffixDecodingDrafter
 from reader_spec.tree import DraftTree
 
 DrafterFactory = Callable[[int], Drafter]

@@ -2,5 +2,7 @@
 
 from reader_spec.drafters.base import Drafter
 from reader_spec.drafters.context import ContextDrafter
+from reader_spec.drafters.pld import PromptLookupDrafter
+from reader_spec.drafters.suffix import SuffixDecodingDrafter
 
-__all__ = ["ContextDrafter", "Drafter"]
+__all__ = ["ContextDrafter", "Drafter", "PromptLookupDrafter", "SuffixDecodingDrafter"]

@@ -24,14 +24,22 @@ Ties ArcticInference leaves to hash and heap order are broken here by a total or
 then shallower, then the more recent occurrence. Probabilities are exact ratios (float64) rather than
 float32 products.
 
-The structure. A suffix tree with counts costs ``max_depth`` node updates per appended token, which
-a pure-Python tree cannot afford on agentic prompts of tens of thousands of tokens. ``TokenCorpus``
-answers the same questions from the text itself: its sequences lie in one buffer behind an index from
-each token to its sorted positions, so appending is a vectorized copy (amortized O(log n) per token
-for index rebuilds) and a step only touches the occurrences of the pattern's last token, filtered
-leftwards to each match length (all vectorized). The counts below a match come from the continuations
-of its occurrences, merged into a trie that keeps only nodes above ``min_token_prob``. The drafts
-equal those of the explicit suffix trees (the tests check them against a brute-force suffix trie).
+The structure. An explicit suffix tree with counts costs ``max_depth`` node updates per appended token,
+which pure Python cannot afford on agentic prompts of tens of thousands of tokens, each request anew.
+``TokenCorpus`` answers the same questions from the text itself. Costs, for a corpus of n tokens:
+
+* append: a vectorized copy, amortized O(1) per token;
+* a token's positions: a vectorized scan of the unindexed tail plus O(log n) in a sorted index, which is
+  rebuilt (O(n log n)) only once the scans since the last build have cost about as much (rent or buy);
+* a step: the occurrences of the pattern's last token, filtered leftwards one match length at a time
+  while many, then the survivors' full match lengths at once (vectorized, O(occurrences x max_depth)
+  at worst), then a trie over the continuations of the occurrences of the match lengths that can win,
+  grown as the match shortens, O(occurrences x budget) Python operations, and a best-first pop of at
+  most ``budget`` nodes. Match lengths with the same occurrences and budget share one draft (see
+  ``speculate``), so a step usually builds one or two tries.
+
+The drafts equal those of explicit suffix trees: the tests compare every proposal with ArcticInference's
+algorithm run on a brute-force suffix trie.
 """
 
 from __future__ import annotations
