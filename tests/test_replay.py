@@ -10,6 +10,7 @@ import pytest
 
 from reader_spec import replay
 from reader_spec.cli import main
+from reader_spec.loading import ModelLoadError, load_tokenizer
 from reader_spec.prompts import encode_prompt
 from reader_spec.replay import (
     Conversation,
@@ -233,3 +234,13 @@ def test_cli_replay(tmp_path, tokenizer, monkeypatch, capsys):
     assert set(saved["methods"]) == {"pld", "suffix", "reader"}
     assert main([*argv, "--methods", "eagle"]) == 2
     assert "unknown replay method eagle" in capsys.readouterr().err
+
+
+def test_load_tokenizer_only(tmp_path, tokenizer):
+    tokenizer.save_pretrained(tmp_path / "tok")
+    loaded, name = load_tokenizer(tmp_path / "tok")
+    assert name == str(tmp_path / "tok") and loaded.chat_template == TURN_TEMPLATE
+    (tmp_path / "empty").mkdir()
+    for bad in (tmp_path / "empty", tmp_path / "missing", tmp_path / "missing.gguf"):
+        with pytest.raises(ModelLoadError):
+            load_tokenizer(bad)
