@@ -239,6 +239,11 @@ def test_depth_limit_and_chain_mode():
     assert 0 < len(proposal) <= 5 and proposal.parents == tuple(range(-1, len(proposal) - 1))
     assert deep.propose(0, 2).tokens == proposal.tokens[:2]
     assert deep.propose(0, 0) == EMPTY_PROPOSAL
+    # Patterns longer than a fresh buffer: the request's short response is matched back to its start.
+    wide = SuffixDecodingDrafter(max_depth=200)
+    wide.begin(0, text * 3)
+    wide.extend(0, [0, 1, 2])
+    assert wide.propose(0, 16).tokens == tuple(text[3:19])
 
 
 def test_global_tree_serves_later_requests():

@@ -186,8 +186,8 @@ class _Matches:
         for index, (corpus, e) in enumerate(zip(corpora, ends, strict=True)):
             if not len(e):
                 continue
-            # Indices below 0 wrap around harmlessly: the sentinel at 0 has ended every match before.
-            before = corpus.buffer[e[:, None] - offsets]
+            # Indices below 0 clip to the leading sentinel, where every match has ended anyway.
+            before = corpus.buffer.take(e[:, None] - offsets, mode="clip")
             lengths.append(m + np.logical_and.accumulate(before == backwards, axis=1).sum(axis=1))
             corpus_ids.append(np.full(len(e), index))
             nexts.append(corpus.buffer[e + 1] >= 0)
@@ -216,8 +216,8 @@ class _Matches:
         """What followed the given ends in each corpus: ``depth`` tokens per row, -1 from a sequence end."""
         steps = np.arange(1, depth + 1)
         rows = [
-            # Reading past a buffer's used length yields sentinels, so indices are clipped to it.
-            corpus.buffer[np.minimum(e[:, None] + steps, len(corpus))]
+            # The buffer holds sentinels from its used length to its end, so clipping indices is exact.
+            corpus.buffer.take(e[:, None] + steps, mode="clip")
             for corpus, e in zip(self.corpora, ends, strict=True)
             if len(e)
         ]
