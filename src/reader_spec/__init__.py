@@ -1,12 +1,15 @@
 """reader-spec: lossless speculative decoding with retrieval drafts and tree verification."""
 
 from reader_spec.config import GenerationConfig
-from reader_spec.drafters import Drafter, ReaderDrafter
+from reader_spec.datastore import Datastore, DatastoreError
+from reader_spec.drafters import Drafter, PromptLookupDrafter, ReaderDrafter, SuffixDecodingDrafter
 from reader_spec.engine import Engine, Output, RequestStats
 from reader_spec.loading import LoadedModel, ModelLoadError, load_model
 from reader_spec.tree import DraftTree, Proposal
 
 __all__ = [
+    "Datastore",
+    "DatastoreError",
     "DraftTree",
     "Drafter",
     "Engine",
@@ -14,8 +17,10 @@ __all__ = [
     "LoadedModel",
     "ModelLoadError",
     "Output",
+    "PromptLookupDrafter",
     "Proposal",
     "ReaderDrafter",
     "RequestStats",
+    "SuffixDecodingDrafter",
     "load_model",
 ]

@@ -111,11 +111,16 @@ def load_model(
 def load_tokenizer(
     model: str | os.PathLike | None = None, *, cache_dir: Path | None = None
 ) -> LoadedTokenizer:
-    """The tokenizer :func:`load_model` would give, without reading the weights (to build indexes).
+    """The tokenizer :func:`load_model` would give, without reading the weights (to build indexes
+    and replay recordings); a directory holding only a saved tokenizer works too.
 
     A GGUF file is still de-quantized into the weights cache on first use, so that the tokenizer
     comes from the same saved files as :func:`load_model`'s and has the same fingerprint.
     """
+    path = Path(model).expanduser() if model is not None else None
+    if path is not None and path.is_dir() and not (path / "config.json").is_file():
+        tokenizer = _load_tokenizer_files(path, os.fspath(model))  # a tokenizer saved on its own
+        return LoadedTokenizer(tokenizer, os.fspath(model), tokenizer_fingerprint(tokenizer))
     source, name = _resolve(model, cache_dir)
     _, tokenizer = _load_config_and_tokenizer(source, name)
     return LoadedTokenizer(tokenizer, name, tokenizer_fingerprint(tokenizer))
@@ -180,13 +185,16 @@ def _load_config_and_tokenizer(
             ) from e
         raise ModelLoadError(f"cannot load model {name!r}: {_first_line(e)}") from e
     _check_causal_lm(config, name)
+    return config, _load_tokenizer_files(directory, name)
+
+
+def _load_tokenizer_files(directory: Path | None, name: str) -> PreTrainedTokenizerBase:
     if directory is not None and not any((directory / f).is_file() for f in _TOKENIZER_FILES):
         raise ModelLoadError(f"no tokenizer found in {name!r}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        return AutoTokenizer.from_pretrained(str(directory) if directory is not None else name)
     except (OSError, ValueError, TypeError) as e:
         raise ModelLoadError(f"cannot load the tokenizer of {name!r}: {_first_line(e)}") from e
-    return config, tokenizer
 
 
 def _check_causal_lm(config: PretrainedConfig, name: str) -> None:

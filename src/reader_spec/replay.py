@@ -35,9 +35,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from reader_spec.drafters import Drafter, ReaderDrafter
-from reader_spec.drafters.pld import PromptLookupDrafter
-from reader_spec.drafters.suffix import SuffixDecodingDrafter
+from reader_spec.drafters import Drafter, PromptLookupDrafter, ReaderDrafter, SuffixDecodingDrafter
 from reader_spec.tree import DraftTree
 
 DrafterFactory = Callable[[int], Drafter]
@@ -286,8 +284,9 @@ class ReplayReport:
 
     def markdown(self) -> str:
         s = self.settings
+        source = f" of {s['file']}" if "file" in s else ""
         lines = [
-            f"Replay of {s['file']} ({s['tasks']} tasks, {s['turns']} turns, {s['tokens']} recorded tokens), "
+            f"Replay{source} ({s['tasks']} tasks, {s['turns']} turns, {s['tokens']} recorded tokens), "
             f"budget {s['budget']} nodes per step, {s['seconds']:.0f} s in all.",
             "",
             "| method | tokens/step | drafted/accepted | steps | accepted | drafted | seconds | drafter s | "
