@@ -7,6 +7,7 @@ import json
 import secrets
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -426,6 +427,7 @@ def _summary(outputs: list[Output], seconds: float, baseline, baseline_seconds) 
         "draft_share": sum(o.stats.draft_seconds for o in outputs) / busy,
         "verify_share": sum(o.stats.verify_seconds for o in outputs) / busy,
         "prefill_share": sum(o.stats.prefill_seconds for o in outputs) / busy,
+        "accepted_by_source": dict(sum((Counter(o.stats.accepted_by_source) for o in outputs), Counter())),
     }
     if baseline is not None:
         base_tokens = sum(len(o.tokens) for o in baseline)
@@ -469,6 +471,11 @@ def _print_text(outputs: list[Output], summary: dict, baseline) -> None:
         f"time: draft {summary['draft_share']:.1%}, verify {summary['verify_share']:.1%}, "
         f"prefill {summary['prefill_share']:.1%}"
     )
+    accepted = summary["accepted_by_source"]
+    if accepted:
+        total = sum(accepted.values())
+        shares = ", ".join(f"{name} {count / total:.0%}" for name, count in sorted(accepted.items()))
+        print(f"accepted draft tokens by source: {shares}")
     if baseline is not None:
         print(
             f"plain:  {summary['baseline_tokens_per_second']:.1f} tok/s "
