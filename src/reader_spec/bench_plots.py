@@ -114,12 +114,13 @@ def accept_length_plot(prompts: Sequence[PromptResult], settings: dict) -> bytes
     columns = min(3, len(methods))
     rows = -(-len(methods) // columns)
     fig = Figure(figsize=(4.2 * columns, 3.2 * rows + 0.6), layout="constrained")
-    axes = fig.subplots(rows, columns, squeeze=False, sharex=True, sharey=True)
+    axes = fig.subplots(rows, columns, squeeze=False, sharey=True)
     for ax, method in zip(axes.flat, methods, strict=False):
         counts = Counter(n for steps in lengths[method] for n in steps)
         steps = sum(counts.values()) or 1
         ax.bar(range(1, longest + 1), [100 * counts[n] / steps for n in range(1, longest + 1)])
         ax.set_title(f"{method}: mean {mean_accepted(lengths[method]):.2f} tokens/step")
+        ax.set_xticks(range(1, longest + 1, max(1, longest // 8)))
         ax.set_xlabel("tokens emitted in one step (bonus included)")
         ax.set_ylabel("share of steps (%)")
         ax.grid(axis="y", alpha=0.3)
