@@ -184,11 +184,33 @@ class Recorder:
     def warm_up(self, batch_size):
         pass
 
+    def reset(self):
+        pass
+
     def generate(self, prompts, max_new_tokens, batch_size, on_finish):
         self.prompts += prompts
         for _ in prompts:
             on_finish()
         return [Generation([5], [1], 0, 0.0, 0.0) for _ in prompts]
+
+
+class Remembering(Recorder):
+    """Like a history drafter: remembers every prompt until reset, and notes any it meets again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.remembered: list[list[int]] = []
+        self.met_again = 0
+        self.passes = 0
+
+    def reset(self):
+        self.remembered = []
+        self.passes += 1
+
+    def generate(self, prompts, max_new_tokens, batch_size, on_finish):
+        self.met_again += sum(p in self.remembered for p in prompts)
+        self.remembered += prompts
+        return super().generate(prompts, max_new_tokens, batch_size, on_finish)
 
 
 @pytest.mark.parametrize("batch_sizes", [[1], [2]])
@@ -205,6 +227,16 @@ def test_second_turn_carries_ar_first_answer(tiny, monkeypatch, batch_sizes):
     assert recorder.prompts == [first, second]
     answer_ids = tiny.tokenizer(words)["input_ids"]
     assert any(second[i : i + len(answer_ids)] == answer_ids for i in range(len(second)))
+
+
+def test_repeats_and_batch_sizes_never_see_their_own_earlier_runs(tiny, monkeypatch):
+    remembering = Remembering()
+    monkeypatch.setitem(METHODS, "mem", MethodSpec(lambda setup: remembering))
+    report = run_bench(tiny, QUESTIONS, ["mem"], max_new_tokens=4, repeats=2, batch_sizes=[1, 2, 3])
+    assert remembering.met_again == 0
+    assert remembering.passes == 2 + 2 * 2  # each repeat at batch 1, and at batch 2 and 3
+    assert len(remembering.prompts) == 3 * 2 * TURNS
+    assert len(report.prompts) == 2 * TURNS  # medians of the repeats, for ar and mem
 
 
 # --- the whole run -----------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ Every method runs in one process on the same loaded model, after one warm-up eac
 methods are interleaved prompt by prompt, so machine drift hits all of them alike. A question's later
 turns carry ``ar``'s earlier answers, so every method decodes exactly the same prompts and outputs
 compare token for token. Batch runs decode every prompt (second turns included, categories
-interleaved) at each batch size above 1, with every method that can batch.
+interleaved) at each batch size above 1, with every method that can batch. Methods are reset before
+every timed pass (each repeat, each batch size), so that a source that learns across requests (the
+response history) has seen the earlier requests of its pass, never the answers it is being timed on.
 """
 
 from __future__ import annotations
@@ -171,18 +173,34 @@ def _batch_one(
     bar: tqdm,
     answers: Answers,
 ) -> list[PromptResult]:
-    """Every turn of every question through every method in turn; fills ``answers`` with ``ar``'s."""
+    """Every turn of every question through every method in turn; fills ``answers`` with ``ar``'s.
+
+    Each repeat is a whole pass from reset methods, so that history sources have seen the same
+    earlier requests in every repeat, and never the request itself."""
+    runs: dict[tuple[Question, int, str], list[Run]] = {}
+    prompts: dict[tuple[Question, int], list[int]] = {}
+    for _ in range(repeats):
+        for method in built.values():
+            method.reset()
+        for question in questions:
+            for turn in range(len(question.turns)):
+                if (question, turn) not in prompts:
+                    messages = turn_messages(question, turn, answers.get(question, []))
+                    prompts[question, turn] = encode_prompt(tokenizer, messages)
+                for name, method in built.items():
+                    run = _run(method, [prompts[question, turn]], max_new_tokens, 1, bar)
+                    runs.setdefault((question, turn, name), []).append(run)
+                if len(answers.setdefault(question, [])) == turn:
+                    reference = runs[question, turn, REFERENCE][0].outputs[0].tokens
+                    answers[question].append(tokenizer.decode(reference, skip_special_tokens=True))
     results = []
-    for question in questions:
-        answers[question] = []
-        for turn in range(len(question.turns)):
-            prompt = encode_prompt(tokenizer, turn_messages(question, turn, answers[question]))
-            reference: list[int] = []
-            for name, method in built.items():
-                (output,), seconds, peak = _measure(method, [prompt], max_new_tokens, 1, repeats, bar)
-                reference = output.tokens if name == REFERENCE else reference
-                results.append(_prompt_result(question, turn, name, prompt, output, seconds, peak, reference))
-            answers[question].append(tokenizer.decode(reference, skip_special_tokens=True))
+    for (question, turn, name), method_runs in runs.items():
+        run = _median(method_runs)
+        reference = runs[question, turn, REFERENCE][0].outputs[0].tokens
+        prompt = prompts[question, turn]
+        results.append(
+            _prompt_result(question, turn, name, prompt, run.outputs[0], run.seconds, run.peak, reference)
+        )
     return results
 
 
@@ -214,7 +232,12 @@ def _batched(
     results = []
     reference: list[list[int]] = []
     for name in batchable:
-        outputs, seconds, peak = _measure(built[name], prompts, max_new_tokens, size, repeats, bar)
+        runs = []
+        for _ in range(repeats):
+            built[name].reset()
+            runs.append(_run(built[name], prompts, max_new_tokens, size, bar))
+        run = _median(runs)
+        outputs, seconds, peak = run.outputs, run.seconds, run.peak
         tokens = [o.tokens for o in outputs]
         reference = tokens if name == REFERENCE else reference
         results.append(
@@ -234,20 +257,26 @@ def _batched(
     return results
 
 
-def _measure(
-    method: Method, prompts: list[list[int]], max_new_tokens: int, batch_size: int, repeats: int, bar: tqdm
-) -> tuple[list[Generation], float, float]:
-    """The outputs and seconds of the median-time run among ``repeats``, and the peak RSS of all runs."""
-    runs = []
-    peak = 0.0
-    for _ in range(repeats):
-        _reset_peak_rss()
-        start = time.perf_counter()
-        outputs = method.generate(prompts, max_new_tokens, batch_size, bar.update)
-        runs.append((time.perf_counter() - start, outputs))
-        peak = max(peak, _peak_rss_mib())
-    seconds, outputs = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
-    return outputs, seconds, peak
+@dataclass
+class Run:
+    outputs: list[Generation]
+    seconds: float
+    peak: float
+    """Peak resident memory in MiB."""
+
+
+def _run(method: Method, prompts: list[list[int]], max_new_tokens: int, batch_size: int, bar: tqdm) -> Run:
+    _reset_peak_rss()
+    start = time.perf_counter()
+    outputs = method.generate(prompts, max_new_tokens, batch_size, bar.update)
+    seconds = time.perf_counter() - start
+    return Run(outputs, seconds, _peak_rss_mib())
+
+
+def _median(runs: list[Run]) -> Run:
+    """The outputs and seconds of the median-time run, with the peak memory of all runs."""
+    median = sorted(runs, key=lambda run: run.seconds)[len(runs) // 2]
+    return Run(median.outputs, median.seconds, max(run.peak for run in runs))
 
 
 def _prompt_result(

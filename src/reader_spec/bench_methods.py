@@ -68,6 +68,10 @@ class Method(Protocol):
     def warm_up(self, batch_size: int) -> None:
         """Run once before any timing: kernels, caches and cost measurements."""
 
+    def reset(self) -> None:
+        """Forget what earlier runs taught (response history, learned weights): each timed run then
+        starts alike, and a repeat never drafts from the answers of the run it repeats."""
+
     def generate(
         self, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int, on_finish: OnFinish
     ) -> list[Generation]:
@@ -86,13 +90,20 @@ class EngineMethod:
 
     can_batch = True
 
-    def __init__(self, engine: Engine, sampling: GenerationConfig):
+    def __init__(
+        self, engine: Engine, sampling: GenerationConfig, new_drafter: Callable[[], Drafter] | None = None
+    ):
         self.engine = engine
         self.sampling = sampling
+        self.new_drafter = new_drafter
         self.speculative = engine.budget > 0
 
     def warm_up(self, batch_size: int) -> None:
         self.engine.warm_up(batch_size)
+
+    def reset(self) -> None:
+        if self.new_drafter is not None:
+            self.engine.drafter = self.new_drafter()
 
     def generate(
         self, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int, on_finish: OnFinish
@@ -124,13 +135,14 @@ def engine_method(
     """A method on this engine; ``budget=None`` takes the bench's ``--budget``."""
 
     def build(setup: BenchSetup) -> Method:
+        new_drafter = (lambda: drafter(setup)) if drafter is not None else None
         engine = Engine(
             setup.loaded,
-            drafter(setup) if drafter is not None else None,
+            new_drafter() if new_drafter is not None else None,
             budget=setup.budget if budget is None else budget,
             adaptive_budget=adaptive,
         )
-        return EngineMethod(engine, setup.sampling)
+        return EngineMethod(engine, setup.sampling, new_drafter)
 
     return MethodSpec(build)
 
@@ -159,6 +171,9 @@ class HFMethod:
     def warm_up(self, batch_size: int) -> None:
         size = batch_size if self.can_batch else 1
         self.generate([[1, 2, 3, 4]] * size, 2, size, lambda: None)
+
+    def reset(self) -> None:
+        """``generate`` keeps nothing between calls."""
 
     def generate(
         self, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int, on_finish: OnFinish
