@@ -1,6 +1,14 @@
 import pytest
 
-from reader_spec.budget import CostModel, choose_width, fixed_width, load_costs, save_costs
+import reader_spec.budget as budget
+from reader_spec.budget import (
+    CostModel,
+    choose_width,
+    fixed_width,
+    load_costs,
+    save_costs,
+    time_interleaved,
+)
 from reader_spec.tree import EMPTY_PROPOSAL, chain_proposal
 
 # Shaped like this machine's measured curve: 8 tokens cost ~1.8 plain steps.
@@ -33,12 +41,26 @@ def test_interpolates_widths_and_batches():
 def test_measures_lazily_and_persists(tmp_path):
     calls = []
     path = tmp_path / "c.json"
-    model = CostModel(measure=lambda b, w: calls.append((b, w)) or 0.01 * w, max_width=9, path=path)
+
+    def measure(batch, widths):
+        calls.append((batch, list(widths)))
+        return {w: 0.01 * w for w in widths}
+
+    model = CostModel(measure=measure, max_width=9, path=path)
     assert model.seconds(2, 4) == pytest.approx(0.04)
-    assert {b for b, _ in calls} == {2} and max(w for _, w in calls) == 12
+    assert calls == [(2, [1, 2, 4, 8, 12])]  # one curve, up to the first probe width past the budget
     assert load_costs(path) == model.samples
     model.seconds(2, 5)
-    assert len(calls) == 5  # widths 1, 2, 4, 8, 12 once each
+    assert len(calls) == 1
+
+
+def test_interleaved_timing_alternates_order_and_skips_the_warm_up(monkeypatch):
+    order = []
+    clock = iter(range(1000))
+    monkeypatch.setattr(budget.time, "perf_counter", lambda: next(clock))
+    times = time_interleaved({1: lambda: order.append(1), 2: lambda: order.append(2)}, rounds=3)
+    assert order == [2, 1, 1, 2, 2, 1, 1, 2]  # warm-up round first, then alternating
+    assert times == {1: 1, 2: 1}
 
 
 def test_corrupt_cost_file_is_ignored(tmp_path):

@@ -16,7 +16,7 @@ from reader_spec.drafters import ReaderDrafter
 from reader_spec.engine import Engine
 from reader_spec.tree import EMPTY_PROPOSAL, Proposal, chain_proposal
 
-FLAT_COSTS = CostModel(measure=lambda batch, width: 1.0)
+FLAT_COSTS = CostModel(measure=lambda batch, widths: dict.fromkeys(widths, 1.0))
 """Verification costs the same at any width, so every proposed node is verified."""
 
 NO_EOS = GenerationConfig(max_new_tokens=40, eos_token_ids=())
@@ -169,7 +169,7 @@ def test_more_prompts_than_slots_keep_input_order(tiny, prompts, plain_outputs):
 
 def test_weak_drafts_are_not_verified(tiny, prompts, plain_outputs):
     references = [p + o.tokens for p, o in zip(prompts, plain_outputs, strict=True)]
-    steep = CostModel(measure=lambda batch, width: 1.0 + width)
+    steep = CostModel(measure=lambda batch, widths: {w: 1.0 + w for w in widths})
     engine = Engine(tiny, ScriptedDrafter(references, 0.0, prob=0.05), budget=8, costs=steep)
     outputs = engine.generate(prompts[:2], NO_EOS)
     assert sum(o.stats.drafted for o in outputs) == 0

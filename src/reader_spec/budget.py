@@ -3,7 +3,9 @@
 A verification pass over a wider tree costs more (on a 2-core CPU, 8 tokens cost about 1.6 plain
 steps), so drafting only pays when the expected accepted tokens outweigh the extra time. The cost of
 a pass is measured once per machine, model and batch size and cached on disk; each step then picks
-the tree width that maximises expected tokens per second for the whole batch.
+the tree width that maximises expected tokens per second for the whole batch. A curve's widths are
+timed in interleaved rounds, so that load from other processes during the probe raises every width
+alike instead of bending the curve.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from reader_spec.tree import Proposal
 
 PROBE_WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 PROBE_CONTEXT = 256
+PROBE_ROUNDS = 7
+COSTS_FORMAT = 2
+"""Part of the cache key: curves measured by an older probe are measured again."""
 
 
 @dataclass
@@ -33,11 +38,11 @@ class CostModel:
     """Seconds per verification pass, by batch size and tree width (tokens per sequence).
 
     Batch sizes are probed at powers of two and interpolated between; widths at ``PROBE_WIDTHS``.
-    ``measure(batch, width)`` is called lazily for curves not yet known.
+    ``measure(batch, widths)`` is called lazily for the widths of a curve not yet known.
     """
 
     samples: dict[int, dict[int, float]] = field(default_factory=dict)
-    measure: Callable[[int, int], float] | None = None
+    measure: Callable[[int, Sequence[int]], dict[int, float]] | None = None
     max_width: int = PROBE_WIDTHS[-1]
     path: Path | None = None
     """Where measured curves are persisted (written atomically after each new curve)."""
@@ -58,7 +63,7 @@ class CostModel:
         if missing:
             if self.measure is None:
                 raise KeyError(f"no cost measured for batch size {batch}, widths {missing}")
-            curve.update({w: self.measure(batch, w) for w in missing})
+            curve.update(self.measure(batch, missing))
             if self.path is not None:
                 save_costs(self.path, self.samples)
         return curve
@@ -101,7 +106,8 @@ def fixed_width(proposals: Sequence[Proposal], costs: CostModel, max_width: int)
 def cost_cache_path(model_key: str) -> Path:
     root = Path(os.environ.get("READER_SPEC_CACHE") or _default_cache_root())
     machine = f"{platform.machine()}-{platform.processor()}-{os.cpu_count()}-{torch.get_num_threads()}"
-    key = hashlib.sha256(f"{model_key}|{machine}|{torch.__version__}".encode()).hexdigest()[:20]
+    key = f"{model_key}|{machine}|{torch.__version__}|{COSTS_FORMAT}"
+    key = hashlib.sha256(key.encode()).hexdigest()[:20]
     return root / "costs" / f"{key}.json"
 
 
@@ -128,12 +134,15 @@ def save_costs(path: Path, samples: dict[int, dict[int, float]]) -> None:
     os.replace(tmp, path)
 
 
-def time_call(fn: Callable[[], object], repeats: int = 3) -> float:
-    """Median wall time of ``fn`` after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def time_interleaved(calls: dict[int, Callable[[], object]], rounds: int = PROBE_ROUNDS) -> dict[int, float]:
+    """Median wall time of each call after a warm-up round; rounds alternate their order, so that
+    drift in the machine's load hits every call alike."""
+    keys = list(calls)
+    times: dict[int, list[float]] = {key: [] for key in keys}
+    for round_ in range(rounds + 1):
+        for key in keys if round_ % 2 else reversed(keys):
+            start = time.perf_counter()
+            calls[key]()
+            if round_:
+                times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(samples) for key, samples in times.items()}

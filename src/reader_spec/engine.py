@@ -26,7 +26,7 @@ from reader_spec.budget import (
     cost_cache_path,
     fixed_width,
     load_costs,
-    time_call,
+    time_interleaved,
 )
 from reader_spec.config import GenerationConfig
 from reader_spec.drafters.base import Drafter
@@ -285,7 +285,7 @@ class Engine:
             path = cost_cache_path(f"{self.loaded.name}|{self.loaded.fingerprint}|{self.model.dtype}")
             self._costs = CostModel(
                 load_costs(path),
-                measure=lambda batch, width: _probe_verify(self.model, batch, width),
+                measure=lambda batch, widths: _probe_verify(self.model, batch, widths),
                 max_width=self.budget + 1,
                 path=path,
             )
@@ -299,14 +299,18 @@ class Engine:
         self.generate([[1, 2, 3, 4]], GenerationConfig(max_new_tokens=2, eos_token_ids=()))
 
 
-def _probe_verify(model, batch: int, width: int) -> float:
-    """Time one verification pass of ``batch`` chains of ``width`` tokens after a short context."""
-    probe = ModelRunner(model, batch, PROBE_CONTEXT + width + 1)
+def _probe_verify(model, batch: int, widths: Sequence[int]) -> dict[int, float]:
+    """Seconds of a verification pass of ``batch`` chains of each width, after a short context."""
+    probe = ModelRunner(model, batch, PROBE_CONTEXT + max(widths) + 1)
     context = torch.randint(0, text_config(model.config).vocab_size, (PROBE_CONTEXT,)).tolist()
     for slot in range(batch):
         probe.prefill(slot, context)
-    chain = DraftTree(context[:width], list(range(-1, width - 1)))
-    return time_call(lambda: probe.verify(0, [chain] * batch))
+
+    def verify(width: int) -> Callable[[], object]:
+        chain = DraftTree(context[:width], list(range(-1, width - 1)))
+        return lambda: probe.verify(0, [chain] * batch)
+
+    return time_interleaved({width: verify(width) for width in widths})
 
 
 def _per_request(
