@@ -11,7 +11,13 @@ import pytest
 import reader_spec.bench as bench
 from reader_spec.bench import run_bench, turn_messages
 from reader_spec.bench_methods import METHODS, BenchSetup, Generation, MethodSpec
-from reader_spec.bench_results import PromptResult, mean_accepted, question_speed, summarize
+from reader_spec.bench_results import (
+    PromptResult,
+    mean_accepted,
+    question_speed,
+    source_shares,
+    summarize,
+)
 from reader_spec.cli import main
 from reader_spec.config import GenerationConfig
 from reader_spec.engine import Engine
@@ -253,6 +259,24 @@ def test_report_figures(report):
     assert [(b.method, b.batch_size) for b in report.batches] == [("ar", 2), ("reader", 2), ("hf", 2)]
     assert all(b.identical == b.requests == TURNS for b in report.batches)
     assert report.settings["batch_1_only"] == ["hf-pld"]
+
+
+def test_accepted_tokens_are_attributed_to_sources(report):
+    for r in report.prompts:
+        attributed = sum(r.accepted_by_source.values())
+        if r.method != "reader":
+            assert attributed == 0
+            continue
+        # Every step emits its accepted drafts plus one token of the model's, except a last step cut
+        # by the length limit, which may emit only drafts.
+        assert r.new_tokens - r.steps <= attributed <= r.new_tokens - r.steps + 1
+        assert set(r.accepted_by_source) <= {"context", "history"}
+    assert any(r.accepted_by_source.get("context") for r in report.prompts)
+    shares = source_shares(result(method="reader") for _ in range(2))
+    assert shares == {}
+    mixed = [result(method="reader"), result(method="reader")]
+    mixed[0].accepted_by_source, mixed[1].accepted_by_source = {"context": 3}, {"context": 1, "history": 4}
+    assert source_shares(mixed) == {"context": 0.5, "history": 0.5}
 
 
 def test_progress_bar_total_matches_its_updates(report):

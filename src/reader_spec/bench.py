@@ -306,6 +306,7 @@ def _prompt_result(
         verify_seconds=output.verify_seconds,
         identical=output.tokens == reference,
         peak_rss_mib=peak,
+        accepted_by_source=output.accepted_by_source,
     )
 
 

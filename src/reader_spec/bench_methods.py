@@ -58,6 +58,8 @@ class Generation:
     """Time spent proposing drafts, where the method lets it be measured apart (else 0)."""
     verify_seconds: float
     """Time in the target model's forward passes, prefill included."""
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
+    """Accepted draft tokens by the drafter's source that proposed them (engine methods)."""
 
 
 class Method(Protocol):
@@ -121,6 +123,7 @@ class EngineMethod:
                 drafted=o.stats.drafted,
                 draft_seconds=o.stats.draft_seconds,
                 verify_seconds=o.stats.prefill_seconds + o.stats.verify_seconds,
+                accepted_by_source=dict(o.stats.accepted_by_source),
             )
             for o in outputs
         ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 OVERALL = "overall"
 REFERENCE = "ar"
@@ -38,6 +38,7 @@ class PromptResult:
     verify_seconds: float
     identical: bool
     peak_rss_mib: float
+    accepted_by_source: dict[str, int] = field(default_factory=dict)
 
     @property
     def steps(self) -> int:
@@ -178,7 +179,7 @@ def markdown(
     lines = [f"# reader bench: {environment.get('model', '?')}", "", _header(environment, settings, prompts)]
     if prompts:
         rows = summarize(prompts)
-        lines += ["", *_category_table(rows), "", *_overall_table(rows)]
+        lines += ["", *_category_table(rows), "", *_overall_table(rows), *_source_tables(prompts)]
     larger = [b for b in settings.get("batch_sizes", []) if b > 1]
     if larger:
         lines += ["", *_batch_table(batches, larger, settings)]
@@ -230,6 +231,38 @@ def _overall_table(rows: list[Summary]) -> list[str]:
             f"{r.drafted_per_step:.1f} | {r.identical:.0%} | {r.draft_share:.1%} | {r.verify_share:.1%} | "
             f"{r.other_share:.1%} | {r.peak_rss_mib:.0f} |"
         )
+    return lines
+
+
+def source_shares(results: Iterable[PromptResult]) -> dict[str, float]:
+    """Each source's share of all accepted draft tokens."""
+    counts: dict[str, int] = defaultdict(int)
+    for r in results:
+        for source, accepted in r.accepted_by_source.items():
+            counts[source] += accepted
+    total = sum(counts.values())
+    return {source: count / total for source, count in counts.items()} if total else {}
+
+
+def _source_tables(prompts: Sequence[PromptResult]) -> list[str]:
+    """For each method that drafts from several sources: who proposed the accepted tokens."""
+    lines = []
+    for method in dict.fromkeys(r.method for r in prompts):
+        mine = [r for r in prompts if r.method == method]
+        sources = sorted({s for r in mine for s in r.accepted_by_source})
+        if len(sources) < 2:
+            continue
+        lines += [
+            "",
+            f"{method}: share of accepted draft tokens by source:",
+            "",
+            "| " + " | ".join(["category", *sources]) + " |",
+            "|---|" + "---:|" * len(sources),
+        ]
+        for category in [*sorted({r.category for r in mine}), OVERALL]:
+            shares = source_shares(r for r in mine if category in (OVERALL, r.category))
+            name = f"**{category}**" if category == OVERALL else category
+            lines.append("| " + " | ".join([name, *(f"{shares.get(s, 0.0):.0%}" for s in sources)]) + " |")
     return lines
 
 

@@ -236,8 +236,9 @@ class Engine:
             stats.accept_lengths.append(len(kept))
             stats.new_tokens += len(kept)
             stats.drafted += len(proposal)
-            stats.accepted += len(path) - 1
-            for node in path[1:]:
+            emitted_nodes = path[1 : 1 + len(kept)]  # a limit may cut the accepted path short
+            stats.accepted += len(emitted_nodes)
+            for node in emitted_nodes:
                 source = proposal.sources[node - 1] if proposal.sources else "draft"
                 stats.accepted_by_source[source] = stats.accepted_by_source.get(source, 0) + 1
             stats.draft_seconds += drafted - started
