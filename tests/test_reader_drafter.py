@@ -391,6 +391,18 @@ def test_each_source_learns_from_its_own_nodes():
     assert proposal.tokens[0] == 4 and proposal.sources[0] == "context"
 
 
+def test_a_source_is_calibrated_only_on_the_nodes_it_labelled():
+    datastore = FixedSource(1, [([4], 1.0)])  # agrees with the context on 4, with a weaker estimate
+    drafter = started([1, 2, 3, 4, 1, 2, 3], datastore=datastore)
+    store_before = drafter.calibrators["datastore"].confidence(1)
+    context_before = drafter.calibrators["context"].confidence(3)
+    proposal = drafter.propose("r", 1)
+    assert proposal.tokens == (4,) and proposal.sources == ("context",)
+    drafter.observe("r", proposal, [0])
+    assert drafter.calibrators["context"].confidence(3) > context_before
+    assert drafter.calibrators["datastore"].confidence(1) == store_before
+
+
 def test_history_drafts_what_an_earlier_request_answered():
     drafter = ReaderDrafter()
     drafter.begin("first", [1, 2])

@@ -130,7 +130,7 @@ class ReaderDrafter:
         tries = [t for t in self._source_tries(state.index, depth) if t.match_length >= self.min_match]
         proposal = select_best_first(tries, max_nodes, self.max_breadth)
         if proposal:
-            shares = tuple((t.name, t.match_length, edge_shares(t.trie, proposal)) for t in tries)
+            shares = tuple((t.name, t.match_length, _own_shares(t, proposal)) for t in tries)
             state.pending = _Pending(proposal, shares)
         return proposal
 
@@ -171,3 +171,15 @@ class ReaderDrafter:
         state = self._requests.pop(request, None)
         if state is not None and self.history is not None:
             self.history.add(state.index.tokens[state.prompt_length :])
+
+
+def _own_shares(source: SourceTrie, proposal: Proposal) -> tuple[float, ...]:
+    """The source's shares of the nodes it labelled (its estimate was the one used), 0 elsewhere.
+
+    A source is calibrated only where its estimate decided: a corpus or history source that agrees
+    with the request's own text on likely tokens would otherwise be credited with those acceptances
+    and over-trusted where it alone proposes (measured before this rule: datastore-labelled nodes
+    accepted at about half their estimated rate).
+    """
+    shares = zip(edge_shares(source.trie, proposal), proposal.sources, strict=True)
+    return tuple(share if label == source.name else 0.0 for share, label in shares)
