@@ -6,6 +6,7 @@ from reader_spec.budget import (
     choose_width,
     fixed_width,
     load_costs,
+    probe_widths,
     save_costs,
     time_interleaved,
 )
@@ -48,10 +49,25 @@ def test_measures_lazily_and_persists(tmp_path):
 
     model = CostModel(measure=measure, max_width=9, path=path)
     assert model.seconds(2, 4) == pytest.approx(0.04)
-    assert calls == [(2, [1, 2, 4, 8, 12])]  # one curve, up to the first probe width past the budget
+    assert calls == [(2, list(range(1, 10)))]  # one curve, every width of the budget
     assert load_costs(path) == model.samples
     model.seconds(2, 5)
     assert len(calls) == 1
+
+
+def test_probes_every_width_up_to_the_dense_limit_then_sparse_ones_past_the_budget():
+    assert probe_widths(3) == [1, 2, 3]
+    assert probe_widths(budget.DENSE_WIDTHS) == list(range(1, budget.DENSE_WIDTHS + 1))
+    assert probe_widths(50) == [*range(1, budget.DENSE_WIDTHS + 1), 48, 64]
+    assert probe_widths(1000)[-1] == budget.SPARSE_WIDTHS[-1]  # wider still: extrapolated
+
+
+def test_a_staircase_curve_is_priced_where_it_was_measured():
+    """Width 3 costing what width 2 does must not be priced halfway to width 4."""
+    model = CostModel({1: {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.5}})
+    third = chain_proposal(range(3), [0.2, 0.04, 0.01])
+    assert model.seconds(1, 3) == 1.0
+    assert choose_width([third], model, 4) == 3
 
 
 def test_interleaved_timing_alternates_order_and_skips_the_warm_up(monkeypatch):
