@@ -329,6 +329,14 @@ def test_cli_bench_writes_results(capsys, tiny_llama_dir, suite, tmp_path):
     assert payload["environment"]["draft_model"] == str(tiny_llama_dir)
 
 
+def test_cli_bench_selects_questions_by_id_parity(capsys, tiny_llama_dir, suite, tmp_path):
+    argv = ["bench", "--model", str(tiny_llama_dir), "--suite", str(suite), "--max-new-tokens", "4"]
+    assert main([*argv, "--question-ids", "odd", "--methods", "ar", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "results.json").read_text())
+    asked = {p["question"] for p in payload["prompts"]}
+    assert asked == {1, 3} and payload["settings"]["prompts"] == 3  # question 1 has two turns
+
+
 @pytest.mark.parametrize(
     ("methods", "message"), [("hf-assisted", "needs --draft-model"), ("ar,nope", "unknown methods nope")]
 )

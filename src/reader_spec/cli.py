@@ -114,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--categories", nargs="+", type=_names, help="only these categories (spaces or commas between)"
     )
+    bench.add_argument(
+        "--question-ids",
+        choices=["all", "odd", "even"],
+        default="all",
+        help="only questions with odd or even ids, e.g. even ones against a datastore of the odd ones",
+    )
     bench.add_argument("--limit", type=int, default=None, help="questions per category (default: all)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument(
@@ -264,7 +270,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.replay is not None:
         return _bench_replay(args)
     from reader_spec.bench import run_bench
-    from reader_spec.spec_bench import load_questions, per_category
+    from reader_spec.spec_bench import by_id_parity, load_questions, per_category
 
     if args.repeats < 1 or (args.limit is not None and args.limit < 1) or min(args.batch_sizes) < 1:
         raise ValueError("--repeats, --limit and --batch-sizes must be positive")
@@ -275,7 +281,8 @@ def _bench(args: argparse.Namespace) -> int:
     if methods and "hf-assisted" in methods and not args.draft_model:
         raise ValueError("hf-assisted needs --draft-model")
     categories = [c for group in args.categories for c in group] if args.categories else None
-    questions = per_category(load_questions(args.suite), args.limit, categories)
+    questions = by_id_parity(load_questions(args.suite), args.question_ids, lambda q: q.id)
+    questions = per_category(questions, args.limit, categories)
     loaded = load_model(args.model)
     draft = load_model(args.draft_model) if args.draft_model else None
     datastore = Datastore.open(args.datastore, fingerprint=loaded.fingerprint) if args.datastore else None

@@ -20,9 +20,10 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from reader_spec.prompts import InputRecord, PromptError, encode_prompt, read_jsonl
+from reader_spec.spec_bench import IdFilter, by_id_parity, load_questions
 
 if TYPE_CHECKING:
     from reader_spec.engine import Output
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 
 Document = str | list[dict[str, str]]
 """Plain text, or chat messages."""
-IdFilter = Literal["all", "odd", "even"]
 
 
 def read_documents(path: str | Path) -> Iterator[Document]:
@@ -76,23 +76,15 @@ def read_prompts(path: str | Path, question_ids: IdFilter = "all") -> list[Input
 
     Spec-Bench questions (lines with ``question_id``) are asked their first turn, as ``reader bench`` does.
     """
-    from reader_spec.spec_bench import load_questions
-
     path = Path(path)
     if _first_record(path).get("question_id") is not None:
         records = [InputRecord(q.id, q.messages) for q in load_questions(path)]
     else:
         records = list(read_jsonl(path))
-    if question_ids == "all":
-        return records
-    wanted = 1 if question_ids == "odd" else 0
-    kept = []
-    for record in records:
-        if not isinstance(record.id, int) or isinstance(record.id, bool):
-            raise PromptError(f"{path}: id {record.id!r} is not an integer, so it is neither odd nor even")
-        if record.id % 2 == wanted:
-            kept.append(record)
-    return kept
+    try:
+        return by_id_parity(records, question_ids, lambda record: record.id)
+    except PromptError as e:
+        raise PromptError(f"{path}: {e}") from None
 
 
 def answer_documents(

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
+from typing import Literal, TypeVar
 
 from reader_spec.prompts import PromptError
+
+IdFilter = Literal["all", "odd", "even"]
+"""Which question ids to keep: a datastore built from the odd ones is measured on the even ones."""
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,22 @@ def load_questions(path: str | Path | None = None) -> list[Question]:
             except (ValueError, KeyError, TypeError) as e:
                 raise PromptError(f"{path}:{number}: not a Spec-Bench question ({e})") from None
     return questions
+
+
+def by_id_parity(items: Iterable[T], question_ids: IdFilter, id_of: Callable[[T], object]) -> list[T]:
+    """The items whose integer id has the parity asked for (all of them for ``"all"``)."""
+    items = list(items)
+    if question_ids == "all":
+        return items
+    wanted = 1 if question_ids == "odd" else 0
+    kept = []
+    for item in items:
+        id_ = id_of(item)
+        if not isinstance(id_, int) or isinstance(id_, bool):
+            raise PromptError(f"id {id_!r} is not an integer, so it is neither odd nor even")
+        if id_ % 2 == wanted:
+            kept.append(item)
+    return kept
 
 
 def per_category(
