@@ -1,3 +1,4 @@
+import gzip
 import json
 
 import pytest
@@ -38,13 +39,13 @@ def test_chat_needs_a_template(tokenizer):
         encode_prompt(plain, [{"role": "user", "content": "w5"}])
 
 
-def test_read_jsonl(tmp_path):
-    path = tmp_path / "p.jsonl"
-    path.write_text(
-        json.dumps({"id": "x", "prompt": "hi"})
-        + "\n\n"
-        + json.dumps({"messages": [{"role": "user", "content": "a"}]})
-    )
+@pytest.mark.parametrize("name", ["p.jsonl", "p.jsonl.gz"])
+def test_read_jsonl(tmp_path, name):
+    path = tmp_path / name
+    text = json.dumps({"id": "x", "prompt": "hi"}) + "\n\n"
+    text += json.dumps({"messages": [{"role": "user", "content": "a"}]})
+    with (gzip.open if name.endswith(".gz") else open)(path, "wt") as f:
+        f.write(text)
     records = list(read_jsonl(path))
     assert [r.id for r in records] == ["x", 3]
     assert records[1].prompt == [{"role": "user", "content": "a"}]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -63,23 +64,32 @@ def read_jsonl(path: str | Path) -> Iterator[InputRecord]:
     Ids default to the line number. A line may also carry its own generation settings
     (``max_new_tokens`` and the sampling settings of ``GenerationConfig``).
     """
-    with open(path, encoding="utf-8") as f:
+    for number, record in json_lines(path, PromptError):
+        if not isinstance(record, dict):
+            raise PromptError(f"{path}:{number}: expected a JSON object")
+        if "messages" in record:
+            prompt = record["messages"]
+            if not isinstance(prompt, list) or not all(isinstance(m, dict) for m in prompt):
+                raise PromptError(f"{path}:{number}: 'messages' must be a list of objects")
+        elif isinstance(record.get("prompt"), str):
+            prompt = record["prompt"]
+        else:
+            raise PromptError(f"{path}:{number}: needs a 'messages' list or a 'prompt' string")
+        settings = {k: record[k] for k in REQUEST_SETTINGS if k in record}
+        yield InputRecord(record.get("id", number), prompt, settings)
+
+
+def json_lines(path: str | Path, error: type[Exception]) -> Iterator[tuple[int, object]]:
+    """Each non-blank line of a JSONL file (gzipped when the name ends in .gz), parsed, with its number.
+
+    A line that is not JSON raises ``error`` naming the file and line, so every reader reports alike.
+    """
+    opener = gzip.open if Path(path).suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield number, json.loads(line)
             except json.JSONDecodeError as e:
-                raise PromptError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict):
-                raise PromptError(f"{path}:{number}: expected a JSON object")
-            if "messages" in record:
-                prompt = record["messages"]
-                if not isinstance(prompt, list) or not all(isinstance(m, dict) for m in prompt):
-                    raise PromptError(f"{path}:{number}: 'messages' must be a list of objects")
-            elif isinstance(record.get("prompt"), str):
-                prompt = record["prompt"]
-            else:
-                raise PromptError(f"{path}:{number}: needs a 'messages' list or a 'prompt' string")
-            settings = {k: record[k] for k in REQUEST_SETTINGS if k in record}
-            yield InputRecord(record.get("id", number), prompt, settings)
+                raise error(f"{path}:{number}: not valid JSON ({e.msg})") from None

@@ -20,7 +20,6 @@ file and tokenizer and cached as numpy arrays, written atomically.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
@@ -36,6 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from reader_spec.drafters import Drafter, PromptLookupDrafter, ReaderDrafter, SuffixDecodingDrafter
+from reader_spec.prompts import json_lines
 from reader_spec.tree import DraftTree
 
 DrafterFactory = Callable[[int], Drafter]
@@ -67,25 +67,16 @@ class Conversation:
 # --- reading and tokenizing ----------------------------------------------------------------------
 def read_tasks(path: str | Path) -> list[dict]:
     """JSON lines (gzipped when the name ends in .gz), each a task with a ``messages`` list."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
     tasks = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                task = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ReplayError(f"{path}:{number}: not valid JSON ({e.msg})") from None
-            messages = task.get("messages") if isinstance(task, dict) else None
-            if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages
-            ):
-                raise ReplayError(f"{path}:{number}: needs a 'messages' list of {{role, content}} strings")
-            task.setdefault("instance_id", str(task.get("id", number)))
-            tasks.append(task)
+    for number, task in json_lines(path, ReplayError):
+        messages = task.get("messages") if isinstance(task, dict) else None
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise ReplayError(f"{path}:{number}: needs a 'messages' list of {{role, content}} strings")
+        task.setdefault("instance_id", str(task.get("id", number)))
+        tasks.append(task)
     return tasks
 
 
