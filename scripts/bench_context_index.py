@@ -66,11 +66,12 @@ def bench_build(prompt: list[int], repeats: int) -> list[int]:
     return times
 
 
-def accepted_length(proposal_tokens: tuple[int, ...], parents: tuple[int, ...], truth: list[int]) -> int:
-    """Nodes a greedy verifier accepts when the model's output is ``truth``: the deepest agreeing path."""
+def accepted_nodes(proposal_tokens: tuple[int, ...], parents: tuple[int, ...], truth: list[int]) -> list[int]:
+    """Proposal nodes a greedy verifier accepts when the model's output is ``truth`` (deepest agreeing
+    path, root first), as the engine reports them to ``observe``."""
     tree = DraftTree([0, *proposal_tokens], [-1, *(p + 1 for p in parents)])
     path, _ = tree.walk(lambda node: truth[tree.depths[node]] if tree.depths[node] < len(truth) else -1)
-    return len(path) - 1
+    return [node - 1 for node in path[1:]]
 
 
 def bench_decode(prompt: list[int], output: list[int], max_nodes: int) -> dict[str, object]:
@@ -82,10 +83,11 @@ def bench_decode(prompt: list[int], output: list[int], max_nodes: int) -> dict[s
         start = time.perf_counter_ns()
         proposal = drafter.propose("r", max_nodes)
         (hit_ns if proposal else miss_ns).append(time.perf_counter_ns() - start)
-        n = accepted_length(proposal.tokens, proposal.parents, output[position:])
+        nodes = accepted_nodes(proposal.tokens, proposal.parents, output[position:])
+        n = len(nodes)
         expected.append(proposal.expected_accepted())
         accepted.append(n)
-        drafter.observe("r", proposal, n)
+        drafter.observe("r", proposal, nodes)
         emitted = output[position : position + n + 1]  # accepted drafts plus the bonus token
         start = time.perf_counter_ns()
         drafter.extend("r", emitted)
