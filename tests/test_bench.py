@@ -22,8 +22,8 @@ from reader_spec.cli import main
 from reader_spec.config import GenerationConfig
 from reader_spec.engine import Engine
 from reader_spec.loading import LoadedModel, tokenizer_fingerprint
-from reader_spec.prompts import encode_prompt
-from reader_spec.spec_bench import Question
+from reader_spec.prompts import PromptError, encode_prompt
+from reader_spec.spec_bench import Question, load_questions
 from tests.conftest import make_tiny_llama
 
 QUESTIONS = [
@@ -327,6 +327,17 @@ def test_cli_bench_writes_results(capsys, tiny_llama_dir, suite, tmp_path):
     payload = json.loads((tmp_path / "out" / "results.json").read_text())
     assert payload["settings"]["methods"] == ["ar", "hf"] and payload["settings"]["prompts"] == 3
     assert payload["environment"]["draft_model"] == str(tiny_llama_dir)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [("{oops", "not valid JSON"), ('{"question_id": 1, "turns": []}', "not a Spec-Bench")],
+)
+def test_bad_suite_lines_name_the_line(tmp_path, line, message):
+    path = tmp_path / "suite.jsonl"
+    path.write_text('{"question_id": 1, "category": "qa", "turns": ["w1"]}\n\n' + line + "\n")
+    with pytest.raises(PromptError, match=f"suite.jsonl:3: {message}"):
+        load_questions(path)
 
 
 def test_cli_bench_selects_questions_by_id_parity(capsys, tiny_llama_dir, suite, tmp_path):

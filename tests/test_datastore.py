@@ -291,6 +291,17 @@ def test_read_prompts_formats_and_parity(tmp_path):
         read_prompts(path, "odd")
 
 
+def test_read_prompts_reads_gzipped_questions_and_prompts(tmp_path):
+    questions = tmp_path / "q.jsonl.gz"
+    with gzip.open(questions, "wt") as f, open(default_suite()) as suite:
+        f.write(suite.read())
+    assert read_prompts(questions, "odd") == read_prompts(default_suite(), "odd")
+    prompts = tmp_path / "p.jsonl.gz"
+    with gzip.open(prompts, "wt") as f:
+        f.write('{"id": 3, "prompt": "w3"}\n')
+    assert [(r.id, r.prompt) for r in read_prompts(prompts, "odd")] == [(3, "w3")]
+
+
 def test_load_tokenizer_fingerprint_matches_the_model(tiny, tiny_llama_dir):
     assert load_tokenizer(tiny_llama_dir).fingerprint == tiny.fingerprint
 

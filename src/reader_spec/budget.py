@@ -1,6 +1,6 @@
 """How many draft tokens a step should verify, decided from measured costs.
 
-A verification pass over a wider tree costs more (on a 2-core CPU, 8 tokens cost about 1.6 plain
+A verification pass over a wider tree costs more (on a 2-core CPU, 8 tokens cost about 1.8 plain
 steps), so drafting only pays when the expected accepted tokens outweigh the extra time. The cost of
 a pass is measured once per machine, model and batch size and cached on disk; each step then picks
 the tree width that maximises expected tokens per second for the whole batch. A curve's widths are

@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import get_args
 
 from tqdm import tqdm
 
@@ -22,6 +23,7 @@ from reader_spec.drafters.history import DEFAULT_MAX_TOKENS
 from reader_spec.engine import DEFAULT_BUDGET, Engine, Output
 from reader_spec.loading import ModelLoadError, load_model
 from reader_spec.prompts import InputRecord, PromptError, read_jsonl
+from reader_spec.spec_bench import IdFilter
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -116,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--question-ids",
-        choices=["all", "odd", "even"],
+        choices=get_args(IdFilter),
         default="all",
         help="only questions with odd or even ids, e.g. even ones against a datastore of the odd ones",
     )
@@ -207,7 +209,7 @@ def _add_index_commands(commands) -> None:
     )
     build.add_argument(
         "--question-ids",
-        choices=["all", "odd", "even"],
+        choices=get_args(IdFilter),
         default="all",
         help="answer only prompts with odd or even integer ids (default: all)",
     )
@@ -281,7 +283,7 @@ def _bench(args: argparse.Namespace) -> int:
     if methods and "hf-assisted" in methods and not args.draft_model:
         raise ValueError("hf-assisted needs --draft-model")
     categories = [c for group in args.categories for c in group] if args.categories else None
-    questions = by_id_parity(load_questions(args.suite), args.question_ids, lambda q: q.id)
+    questions = by_id_parity(load_questions(args.suite), args.question_ids)
     questions = per_category(questions, args.limit, categories)
     loaded = load_model(args.model)
     draft = load_model(args.draft_model) if args.draft_model else None

@@ -22,7 +22,7 @@ from itertools import islice
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from reader_spec.prompts import InputRecord, PromptError, encode_prompt, read_jsonl
+from reader_spec.prompts import InputRecord, PromptError, encode_prompt, json_lines, read_jsonl
 from reader_spec.spec_bench import IdFilter, by_id_parity, load_questions
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def read_prompts(path: str | Path, question_ids: IdFilter = "all") -> list[Input
     else:
         records = list(read_jsonl(path))
     try:
-        return by_id_parity(records, question_ids, lambda record: record.id)
+        return by_id_parity(records, question_ids)
     except PromptError as e:
         raise PromptError(f"{path}: {e}") from None
 
@@ -121,14 +121,11 @@ def _open_text(path: Path):
 
 
 def _first_record(path: Path) -> dict:
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    return {}  # read_jsonl reports it with its line number
-                return record if isinstance(record, dict) else {}
+    try:
+        for _, record in json_lines(path, PromptError):
+            return record if isinstance(record, dict) else {}
+    except PromptError:
+        return {}  # read_jsonl reports it with its line number
     raise PromptError(f"{path}: no prompts")
 
 

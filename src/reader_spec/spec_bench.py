@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Literal, Protocol, TypeVar
 
-from reader_spec.prompts import PromptError
+from reader_spec.prompts import PromptError, json_lines
 
 IdFilter = Literal["all", "odd", "even"]
 """Which question ids to keep: a datastore built from the odd ones is measured on the even ones."""
 
-T = TypeVar("T")
+
+class _HasId(Protocol):
+    @property
+    def id(self) -> object: ...
+
+
+T = TypeVar("T", bound=_HasId)
 
 
 @dataclass(frozen=True)
@@ -37,30 +42,25 @@ def load_questions(path: str | Path | None = None) -> list[Question]:
     """Questions in file order; lines need ``question_id``, ``category`` and ``turns``."""
     path = Path(path) if path is not None else default_suite()
     questions = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                raw = json.loads(line)
-                questions.append(Question(int(raw["question_id"]), str(raw["category"]), tuple(raw["turns"])))
-            except (ValueError, KeyError, TypeError) as e:
-                raise PromptError(f"{path}:{number}: not a Spec-Bench question ({e})") from None
+    for number, raw in json_lines(path, PromptError):
+        try:
+            questions.append(Question(int(raw["question_id"]), str(raw["category"]), tuple(raw["turns"])))
+        except (ValueError, KeyError, TypeError) as e:
+            raise PromptError(f"{path}:{number}: not a Spec-Bench question ({e})") from None
     return questions
 
 
-def by_id_parity(items: Iterable[T], question_ids: IdFilter, id_of: Callable[[T], object]) -> list[T]:
-    """The items whose integer id has the parity asked for (all of them for ``"all"``)."""
+def by_id_parity(items: Iterable[T], question_ids: IdFilter) -> list[T]:
+    """The items (questions, input records) whose integer ``id`` has the parity asked for."""
     items = list(items)
     if question_ids == "all":
         return items
     wanted = 1 if question_ids == "odd" else 0
     kept = []
     for item in items:
-        id_ = id_of(item)
-        if not isinstance(id_, int) or isinstance(id_, bool):
-            raise PromptError(f"id {id_!r} is not an integer, so it is neither odd nor even")
-        if id_ % 2 == wanted:
+        if not isinstance(item.id, int) or isinstance(item.id, bool):
+            raise PromptError(f"id {item.id!r} is not an integer, so it is neither odd nor even")
+        if item.id % 2 == wanted:
             kept.append(item)
     return kept
 
