@@ -3,71 +3,77 @@ import pytest
 import reader_spec.budget as budget
 from reader_spec.budget import (
     CostModel,
-    choose_width,
-    fixed_width,
+    allocate,
+    fixed_allocation,
     load_costs,
-    probe_widths,
+    probe_points,
     save_costs,
     time_interleaved,
 )
 from reader_spec.tree import EMPTY_PROPOSAL, chain_proposal
 
-# Shaped like this machine's measured curve: 8 tokens cost ~1.8 plain steps.
+# Shaped like this machine's measured batch-1 curve (seconds by draft tokens): 7 drafts, 8 tree
+# tokens, cost ~1.8 plain steps.
 CURVE = {
-    1: 0.042,
-    2: 0.043,
-    4: 0.061,
-    8: 0.076,
-    12: 0.080,
-    16: 0.084,
-    24: 0.09,
-    32: 0.10,
-    48: 0.125,
-    64: 0.15,
+    0: 0.042,
+    1: 0.043,
+    3: 0.061,
+    7: 0.076,
+    11: 0.080,
+    15: 0.084,
+    23: 0.09,
+    31: 0.10,
+    47: 0.125,
+    63: 0.15,
 }
 
 
 def costs(scale_by_batch=None):
     scale_by_batch = scale_by_batch or {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.0}
-    return CostModel({b: {w: t * s for w, t in CURVE.items()} for b, s in scale_by_batch.items()})
+    return CostModel({b: {d: t * s for d, t in CURVE.items()} for b, s in scale_by_batch.items()})
 
 
-def test_interpolates_widths_and_batches():
+def test_interpolates_draft_counts_and_batches():
     model = costs()
-    assert model.seconds(1, 8) == pytest.approx(0.076)
-    assert model.seconds(1, 10) == pytest.approx((0.076 + 0.080) / 2)
-    assert model.seconds(3, 1) == pytest.approx(0.042 * 2.0)  # halfway between batch 2 and 4
+    assert model.seconds(1, 7) == pytest.approx(0.076)
+    assert model.seconds(1, 9) == pytest.approx((0.076 + 0.080) / 2)
+    assert model.seconds(3, 0) == pytest.approx(0.042 * 2.0)  # halfway between batch 2 and 4
+    assert model.table(3, 9) == [model.seconds(3, d) for d in range(10)]
 
 
 def test_measures_lazily_and_persists(tmp_path):
     calls = []
     path = tmp_path / "c.json"
 
-    def measure(batch, widths):
-        calls.append((batch, list(widths)))
-        return {w: 0.01 * w for w in widths}
+    def measure(batch, drafted):
+        calls.append((batch, list(drafted)))
+        return {d: 0.01 * (d + 1) for d in drafted}
 
-    model = CostModel(measure=measure, max_width=9, path=path)
-    assert model.seconds(2, 4) == pytest.approx(0.04)
-    assert calls == [(2, list(range(1, 10)))]  # one curve, every width of the budget
+    model = CostModel(measure=measure, budget=4, path=path)
+    assert model.seconds(2, 3) == pytest.approx(0.04)
+    assert calls == [(2, list(range(9)))]  # one curve, every total the budget allows
     assert load_costs(path) == model.samples
     model.seconds(2, 5)
     assert len(calls) == 1
 
 
-def test_probes_every_width_up_to_the_dense_limit_then_sparse_ones_past_the_budget():
-    assert probe_widths(3) == [1, 2, 3]
-    assert probe_widths(budget.DENSE_WIDTHS) == list(range(1, budget.DENSE_WIDTHS + 1))
-    assert probe_widths(50) == [*range(1, budget.DENSE_WIDTHS + 1), 48, 64]
-    assert probe_widths(1000)[-1] == budget.SPARSE_WIDTHS[-1]  # wider still: extrapolated
+def test_probes_every_total_up_to_the_dense_limit_then_sparse_ones_up_to_the_budget():
+    dense = budget.DENSE_TOKENS
+    assert probe_points(1, 3) == [0, 1, 2, 3]
+    assert probe_points(1, 16) == list(range(17))
+    assert probe_points(1, 100) == [*range(dense), 47, 63, 95, 100]  # the budget's own maximum last
+    assert probe_points(8, 128) == [*range(dense - 8 + 1), 40, 56, 88, 120, 128]
+    assert probe_points(32, 512) == [0, 16, 32, 64, 96, 160, 224, 352, 480, 512]
+    assert probe_points(64, 16) == [0, 16]
+    assert probe_points(4, 0) == [0]
 
 
 def test_a_staircase_curve_is_priced_where_it_was_measured():
-    """Width 3 costing what width 2 does must not be priced halfway to width 4."""
-    model = CostModel({1: {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.5}})
+    """Two drafts costing what one does must not be priced halfway to three."""
+    model = CostModel({1: {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.5}})
     third = chain_proposal(range(3), [0.2, 0.04, 0.01])
-    assert model.seconds(1, 3) == 1.0
-    assert choose_width([third], model, 4) == 3
+    assert model.seconds(1, 2) == 1.0
+    assert allocate([third], model, 3) == [2]
 
 
 def test_interleaved_timing_alternates_order_and_skips_the_warm_up(monkeypatch):
@@ -107,26 +113,50 @@ def test_corrupt_cost_file_is_ignored(tmp_path):
 
 def test_weak_drafts_are_not_verified():
     weak = chain_proposal(range(16), [0.01] * 16)
-    assert choose_width([weak], costs(), 17) == 1
-    assert choose_width([EMPTY_PROPOSAL], costs(), 17) == 1
+    assert allocate([weak], costs(), 16) == [0]
+    assert allocate([EMPTY_PROPOSAL], costs(), 16) == [0]
 
 
 def test_sure_drafts_get_a_deep_tree():
     sure = chain_proposal(range(16), [0.97 ** (i + 1) for i in range(16)])
-    assert choose_width([sure], costs(), 17) == 17
-    assert choose_width([sure], costs(), 5) == 5
+    assert allocate([sure], costs(), 16) == [16]
+    assert allocate([sure], costs(), 4) == [4]
 
 
-def test_width_chosen_maximises_expected_tokens_per_second():
+def test_count_chosen_maximises_expected_tokens_per_second():
     probs = [0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05]
-    proposal = chain_proposal(range(7), probs)
     model = costs()
-    width = choose_width([proposal], model, 8)
-    rates = {w: (1 + sum(probs[: w - 1])) / model.seconds(1, w) for w in range(1, 9)}
-    assert width == max(rates, key=rates.get)
+    [count] = allocate([chain_proposal(range(7), probs)], model, 7)
+    rates = {n: (1 + sum(probs[:n])) / model.seconds(1, n) for n in range(8)}
+    assert count == max(rates, key=rates.get)
 
 
-def test_fixed_width_uses_the_budget():
+def test_draft_tokens_go_to_the_sequences_whose_nodes_are_likeliest():
+    """A sure match gets a deep tree and a weak one nothing, in the same batch."""
+    sure = chain_proposal(range(8), [0.95 ** (i + 1) for i in range(8)])
+    weak = chain_proposal(range(8), [0.02] * 8)
+    middling = chain_proposal(range(8), [0.6, 0.3, 0.1, 0.05, 0.02, 0.01, 0.01, 0.01])
+    # Each draft token adds 0.01 s to a 1 s pass of four sequences.
+    linear = CostModel({4: {0: 1.0, 32: 1.32}})
+    counts = allocate([weak, sure, EMPTY_PROPOSAL, middling], linear, 8)
+    assert counts[0] == counts[2] == 0
+    assert counts[1] == 8
+    assert 1 <= counts[3] <= 3
+    # Greedy by marginal gain: every kept node is at least as likely as every node left out.
+    proposals = [weak, sure, EMPTY_PROPOSAL, middling]
+    kept = [p.probs[i] for p, n in zip(proposals, counts, strict=True) for i in range(n)]
+    left = [p.probs[i] for p, n in zip(proposals, counts, strict=True) for i in range(n, len(p))]
+    assert min(kept) >= max(left)
+
+
+def test_total_draft_follows_the_batchs_spare_compute():
+    """Where extra tokens are nearly free the batch drafts more than where they cost dearly."""
+    proposals = [chain_proposal(range(8), [0.5 ** (i + 1) for i in range(8)]) for _ in range(8)]
+    cheap = CostModel({8: {0: 1.0, 64: 1.1}})
+    dear = CostModel({8: {0: 1.0, 64: 4.0}})
+    assert sum(allocate(proposals, cheap, 8)) > sum(allocate(proposals, dear, 8)) > 0
+
+
+def test_fixed_allocation_uses_the_budget():
     weak = chain_proposal(range(16), [0.05] * 16)
-    assert fixed_width([weak], costs(), 9) == 9
-    assert fixed_width([EMPTY_PROPOSAL], costs(), 9) == 1
+    assert fixed_allocation([weak, EMPTY_PROPOSAL], costs(), 8) == [8, 0]

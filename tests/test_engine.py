@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import Counter
 from dataclasses import replace
@@ -165,6 +166,31 @@ def test_more_prompts_than_slots_keep_input_order(tiny, prompts, plain_outputs):
     outputs = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS).generate(prompts, NO_EOS, batch_size=2, ids=ids)
     assert [o.id for o in outputs] == ids
     assert [o.tokens for o in outputs] == [o.tokens for o in plain_outputs]
+
+
+class HalfSureDrafter(ScriptedDrafter):
+    """Sure of its drafts for even requests, unsure for odd ones (the drafts themselves are good)."""
+
+    def propose(self, request, max_nodes):
+        proposal = super().propose(request, max_nodes)
+        if request % 2:
+            proposal = replace(proposal, probs=tuple(0.02 for _ in proposal.probs))
+        return proposal
+
+
+@pytest.mark.parametrize("call_cost", [0, 10**9])  # attention by runs of equal width, or all padded
+def test_batch_budget_gives_each_sequence_its_own_draft(tiny, prompts, plain_outputs, call_cost, monkeypatch):
+    import reader_spec.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "pack", functools.partial(runner_module.pack, call_cost=call_cost))
+    references = [p + o.tokens for p, o in zip(prompts, plain_outputs, strict=True)]
+    linear = CostModel(measure=lambda batch, drafted: {d: 1.0 + 0.02 * d for d in drafted})
+    engine = Engine(tiny, HalfSureDrafter(references, 0.0), budget=6, costs=linear)
+    outputs = engine.generate(prompts, NO_EOS, batch_size=4)
+    assert [o.tokens for o in outputs] == [o.tokens for o in plain_outputs]
+    sure, unsure = outputs[0::2], outputs[1::2]
+    assert all(o.stats.drafted == 0 for o in unsure)
+    assert all(o.stats.mean_accepted > 3 for o in sure)
 
 
 def test_weak_drafts_are_not_verified(tiny, prompts, plain_outputs):

@@ -1,11 +1,13 @@
 """Tree verification through the model's own forward equals sequential decoding, for each family."""
 
+import functools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
 
 import reader_spec.runner as runner_module
-from reader_spec.attention import GROUPED_SDPA
+from reader_spec.attention import PACKED_EAGER, PACKED_SDPA
 from reader_spec.runner import ModelRunner, sliding_window_of
 from reader_spec.tree import DraftTree
 
@@ -28,7 +30,10 @@ CONFIGS = {
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module", params=[(f, a) for f in sorted(CONFIGS) for a in ("sdpa", GROUPED_SDPA)])
+ATTENTIONS = ("sdpa", "eager", PACKED_SDPA, PACKED_EAGER)  # the plain ones verify slot by slot
+
+
+@pytest.fixture(scope="module", params=[(f, a) for f in sorted(CONFIGS) for a in ATTENTIONS])
 def model(request):
     family, attention = request.param
     torch.manual_seed(0)
@@ -73,7 +78,7 @@ def test_prefill_and_tree_logits_match_sequential(model):
     while position < 28:
         path = tokens[position : position + 5]
         tree, on_path = random_tree_on_path(path, rng)
-        logits = runner.verify(0, [tree])[0]
+        logits = runner.verify([tree])[0]
         for depth, node in enumerate(on_path):
             assert (logits[node] - reference[position + depth]).abs().max() < TOL
         keep = int(rng.integers(1, len(on_path) + 1))
@@ -82,21 +87,30 @@ def test_prefill_and_tree_logits_match_sequential(model):
         position += keep
 
 
-def test_ragged_batch_matches_each_sequence_alone(model):
+@pytest.mark.parametrize("call_cost", [0, 10**9])  # attention by runs of equal width, or all padded
+def test_ragged_batch_matches_each_sequence_alone(model, call_cost, monkeypatch):
+    """Trees of unequal widths, lone roots among them, side by side and in runs of equal width."""
     import numpy as np
 
+    monkeypatch.setattr(runner_module, "pack", functools.partial(runner_module.pack, call_cost=call_cost))
     rng = np.random.default_rng(2)
-    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 17, 9)]
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 17, 9, 12, 8, 20, 5)]
+    drafted = [4, 0, 0, 6, 1, 1, 3]  # path tokens after the root, plus decoys hanging off them
     references = [full_logits(model, p) for p in prompts]
-    runner = ModelRunner(model, num_slots=3, capacity=32)
-    lengths = [len(p) - 4 for p in prompts]
+    runner = ModelRunner(model, num_slots=len(prompts), capacity=32)
+    lengths = [len(p) - 1 - d for p, d in zip(prompts, drafted, strict=True)]
     for slot, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
         runner.prefill(slot, prompt[:n])
     trees, paths = zip(
-        *(random_tree_on_path(p[n:], rng) for p, n in zip(prompts, lengths, strict=True)), strict=True
+        *(
+            random_tree_on_path(p[n:], rng) if d else (DraftTree([p[n]], [-1]), [0])
+            for p, n, d in zip(prompts, lengths, drafted, strict=True)
+        ),
+        strict=True,
     )
-    logits = runner.verify(0, list(trees))
-    for b in range(3):
+    logits = runner.verify(list(trees))
+    for b in range(len(prompts)):
+        assert logits[b].shape[0] == len(trees[b])
         for depth, node in enumerate(paths[b]):
             assert (logits[b][node] - references[b][lengths[b] + depth]).abs().max() < TOL
 
@@ -108,7 +122,7 @@ def test_move_slot_keeps_a_sequence_decodable(model):
     runner.prefill(0, tokens[:3])
     runner.prefill(1, tokens[:10])
     runner.cache.move_slot(1, 0)
-    logits = runner.verify(0, [DraftTree(tokens[10:13], [-1, 0, 1])])[0]
+    logits = runner.verify([DraftTree(tokens[10:13], [-1, 0, 1])])[0]
     assert (logits - reference[10:13]).abs().max() < TOL
 
 
@@ -128,7 +142,7 @@ def test_steps_write_in_place_without_reallocating(model):
     pointers = (layer.keys.data_ptr(), layer.values.data_ptr())
     for _ in range(5):
         tree = DraftTree([7, 8, 9], [-1, 0, 0])
-        runner.verify(0, [tree, tree])
+        runner.verify([tree, tree])
         runner.cache.commit(0, [0, 2])
         runner.cache.commit(1, [0])
     assert (layer.keys.data_ptr(), layer.values.data_ptr()) == pointers

@@ -1,23 +1,159 @@
-"""Grouped-query attention on CPU without copying keys and values per query head.
+"""Attention for packed verification passes, plugged into the models' own forward.
 
-transformers' ``sdpa`` attention repeats every key/value head for each query head it serves
-(``repeat_kv``) whenever more than one token is queried under a mask: a verification pass of a few
-tree tokens then copies the whole cache each layer, and on a CPU that copy costs more than the
-attention itself (measured with the default model, batch 8, 1,024 tokens of context: a 2-token pass
-took 199 ms against 99 ms for one token). PyTorch's kernel can read the shared heads directly
-(``enable_gqa``); this registers that as the attention implementation ``GROUPED_SDPA``, which the
-models' own forward picks up through transformers' ``AttentionInterface``: no modeling code changes.
-Everything else (one query token, no mask, GPUs, position biases, soft-capping) goes to ``sdpa``.
+A verification pass packs every sequence's draft tree into one row of tokens (``[1, total]``), so
+its matrix products cost what the batch's total tree tokens cost, not ``batch x widest tree``.
+Attention is the one operation that must see the batch again: each sequence attends to its own slot
+of the KV cache. :func:`packed` wraps an attention function so that, when the runner passes a
+:class:`PackedLayout`, it splits the query into groups of consecutive slots and attends each group
+against those slots' cache rows only (views, no cache copy), padding a group's trees to its widest
+where that costs less than another attention call. The wrappers are
+registered with transformers' ``AttentionInterface`` and chosen by :func:`use_packed_attention`, so
+no modeling code changes.
+
+The inner function for ``sdpa`` models also fixes a CPU cost: transformers' ``sdpa`` repeats every
+key/value head for each query head it serves (``repeat_kv``) whenever more than one token is queried
+under a mask, which copies the whole cache each layer (with the default model, batch 8, 1,024 tokens
+of context, a 2-token pass took 199 ms against 99 ms for one token). PyTorch's kernel reads shared
+heads directly (``enable_gqa``). Everything else (one query token, no mask, GPUs, position biases,
+soft-capping) goes to ``sdpa`` itself.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
-GROUPED_SDPA = "reader_grouped_sdpa"
+PACKED_SDPA = "reader_packed_sdpa"
+PACKED_EAGER = "reader_packed_eager"
+
+AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+ATTENTION_CALL_COST = 1024
+"""Fixed cost of one attention call, in query-key pairs: what splitting a batch into groups costs.
+
+Measured on the 2-core CPU with the default model: a call's overhead (about 40 us) is the time of
+some 1,000 query-key pairs; groups are merged with padding while that costs less than a call.
+"""
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Consecutive slots that attend as one batch, their trees padded to ``width`` tokens.
+
+    ``padding`` holds, for unequal trees, the (slot in group, offset) of each token; ``None`` when
+    every tree of the group is ``width`` long and the tokens simply reshape.
+    """
+
+    first: int
+    count: int
+    width: int
+    kv_length: int
+    tokens: int
+    padding: tuple[torch.Tensor, torch.Tensor] | None
+
+
+@dataclass
+class PackedLayout:
+    """Where a packed pass's tokens go: each group's trees back to back, groups in slot order.
+
+    ``calls`` counts the attention layers that honoured the layout.
+    """
+
+    groups: list[AttentionGroup]
+    calls: int = 0
+
+
+def pack(widths: list[int], lengths: list[int], call_cost: int = ATTENTION_CALL_COST) -> PackedLayout:
+    """Split slots into consecutive groups minimising ``calls x call_cost + padded query-key pairs``.
+
+    A group of ``count`` slots padded to its widest tree costs ``count x width x kv_length`` pairs;
+    an exact dynamic programme over the slots' runs of equal width (at most one per slot).
+    """
+    runs: list[list[int]] = []  # [first, count, width]
+    for slot, width in enumerate(widths):
+        if runs and runs[-1][2] == width:
+            runs[-1][1] += 1
+        else:
+            runs.append([slot, 1, width])
+    ends = [first + count for first, count, _ in runs]
+    best = [0] + [None] * len(runs)  # best[i]: cheapest split of the first i runs
+    split = [0] * (len(runs) + 1)
+    for i in range(1, len(runs) + 1):
+        width = longest = 0
+        for j in range(i - 1, -1, -1):  # group runs j..i-1
+            first = runs[j][0]
+            width = max(width, runs[j][2])
+            longest = max(longest, *lengths[first : ends[j]])
+            cost = best[j] + call_cost + (ends[i - 1] - first) * width * (longest + width)
+            if best[i] is None or cost < best[i]:
+                best[i], split[i] = cost, j
+    groups = []
+    i = len(runs)
+    while i:
+        j = split[i]
+        groups.append(_group(widths, lengths, runs[j][0], ends[i - 1]))
+        i = j
+    return PackedLayout(groups[::-1])
+
+
+def _group(widths: list[int], lengths: list[int], first: int, end: int) -> AttentionGroup:
+    own = widths[first:end]
+    width = max(own)
+    kv_length = max(lengths[first:end]) + width
+    padding = None
+    if min(own) != width:
+        rows = torch.tensor([row for row, n in enumerate(own) for _ in range(n)])
+        offsets = torch.tensor([offset for n in own for offset in range(n)])
+        padding = (rows, offsets)
+    return AttentionGroup(first, end - first, width, kv_length, sum(own), padding)
+
+
+def packed(inner: AttentionFunction) -> AttentionFunction:
+    """``inner`` made to honour a ``packed_layout`` keyword; without one it is called unchanged."""
+
+    def attention(module, query, key, value, attention_mask, *args, packed_layout=None, **kwargs):
+        if packed_layout is None:
+            return inner(module, query, key, value, attention_mask, *args, **kwargs)
+        packed_layout.calls += 1
+        heads, dim = query.shape[1], query.shape[3]
+        output = query.new_empty(query.shape[2], heads, value.shape[-1])
+        start = 0
+        for group in packed_layout.groups:
+            end = start + group.tokens
+            slots = slice(group.first, group.first + group.count)
+            tokens = query[0, :, start:end]
+            if group.padding is None:
+                group_query = tokens.unflatten(1, (group.count, group.width)).transpose(0, 1)
+            else:
+                group_query = query.new_zeros(group.count, heads, group.width, dim)
+                group_query[group.padding[0], :, group.padding[1]] = tokens.transpose(0, 1)
+            group_mask = None
+            if attention_mask is not None:
+                group_mask = attention_mask[slots, :, : group.width, : group.kv_length]
+            group_output, _ = inner(
+                module,
+                group_query,
+                key[slots, :, : group.kv_length],
+                value[slots, :, : group.kv_length],
+                group_mask,
+                *args,
+                **kwargs,
+            )
+            if group.padding is None:
+                output[start:end] = group_output.flatten(0, 1)
+            else:
+                output[start:end] = group_output[group.padding]
+            start = end
+        return output[None], None
+
+    return attention
 
 
 def grouped_sdpa_attention(
@@ -30,6 +166,7 @@ def grouped_sdpa_attention(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    """transformers' ``sdpa``, but masked multi-token queries on CPU read grouped heads in place."""
     groups = getattr(module, "num_key_value_groups", 1)
     plain = (
         groups == 1
@@ -54,11 +191,34 @@ def grouped_sdpa_attention(
     return output.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_SDPA, sdpa_mask)
+def model_eager_attention(module: torch.nn.Module, *args, **kwargs):
+    """The eager attention of the module's own modeling file (what ``eager`` would have run)."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise RuntimeError(
+            f"{type(module).__name__} has no eager_attention_forward to run packed passes with"
+        )
+    return eager(module, *args, **kwargs)
 
 
-def use_grouped_attention(model: PreTrainedModel) -> None:
-    """Switch a model that runs ``sdpa`` attention to ``GROUPED_SDPA`` (same results, fewer copies)."""
-    if model.config._attn_implementation == "sdpa":
-        model.set_attn_implementation(GROUPED_SDPA)
+AttentionInterface.register(PACKED_SDPA, packed(grouped_sdpa_attention))
+AttentionInterface.register(PACKED_EAGER, packed(model_eager_attention))
+ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, sdpa_mask)
+ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_EAGER, eager_mask)
+
+_PACKED_VERSIONS = {"sdpa": PACKED_SDPA, "eager": PACKED_EAGER}
+
+
+def use_packed_attention(model: PreTrainedModel) -> None:
+    """Switch an ``sdpa`` or ``eager`` model to its packed version (same results outside packed passes).
+
+    Other implementations (flash attention, flex) are left alone; such models verify one sequence
+    per pass (see :class:`reader_spec.runner.ModelRunner`).
+    """
+    implementation = _PACKED_VERSIONS.get(model.config._attn_implementation)
+    if implementation is not None:
+        model.set_attn_implementation(implementation)
+
+
+def supports_packed_passes(model: PreTrainedModel) -> bool:
+    return model.config._attn_implementation in _PACKED_VERSIONS.values()

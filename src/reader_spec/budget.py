@@ -1,19 +1,25 @@
-"""How many draft tokens a step should verify, decided from measured costs.
+"""How many draft tokens each sequence of a step verifies, decided from measured costs.
 
-A verification pass over a wider tree costs more (on a 2-core CPU, 8 tokens cost about 1.8 plain
-steps), so drafting only pays when the expected accepted tokens outweigh the extra time. The cost of
-a pass is measured once per machine, model and batch size and cached on disk; each step then picks
-the tree width that maximises expected tokens per second for the whole batch. A curve's widths are
-timed in interleaved rounds, so that load from other processes during the probe raises every width
-alike instead of bending the curve. Every width up to ``DENSE_WIDTHS`` is timed, not sampled: the
-curve is a staircase (on this 2-core CPU, batch 1: 3 tokens cost 1.07 plain steps, 4 cost 1.44, 13
-cost 2.31 and 16 only 1.97, as the matrix kernels change block shapes), and interpolating between
-sparse samples priced 3 tokens at 1.30 steps.
+A verification pass over more tokens costs more (on a 2-core CPU, 8 tree tokens cost about 1.8
+plain steps at batch 1), so drafting only pays when the expected accepted tokens outweigh the extra
+time. The cost of a pass is measured once per machine, model and batch size as a function of the
+total draft tokens of the batch (passes are packed, so that is what they cost) and cached on disk.
+Each step then ranks every sequence's candidate nodes together by their probability of being
+accepted and keeps the count that maximises expected tokens per second for the whole batch: a
+sequence with a long, sure match gets a deep tree, one with nothing likely gets none, and the total
+follows the compute the hardware has to spare rather than batch size times a fixed tree.
+
+A curve's points are timed in interleaved rounds, so that load from other processes during the
+probe raises every point alike instead of bending the curve. Every total up to ``DENSE_TOKENS`` is
+timed, not sampled: the curve is a staircase (on this 2-core CPU, batch 1: 3 tokens cost 1.07
+plain steps, 4 cost 1.44, 13 cost 2.31 and 16 only 1.97, as the matrix kernels change block
+shapes), and interpolating between sparse samples priced 3 tokens at 1.30 steps.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import itertools
 import json
 import os
@@ -28,43 +34,53 @@ import torch
 
 from reader_spec.tree import Proposal
 
-DENSE_WIDTHS = 32
-"""Widths up to this are all timed; wider ones at ``SPARSE_WIDTHS`` and interpolated between."""
-SPARSE_WIDTHS = (48, 64, 96, 128)
+DENSE_TOKENS = 32
+"""Passes of up to this many tree tokens (whole batch) are all timed; larger ones at ``SPARSE_TOKENS``."""
+SPARSE_TOKENS = (48, 64, 96, 128, 192, 256, 384, 512)
 PROBE_CONTEXT = 256
 PROBE_ROUNDS = 9
-COSTS_FORMAT = 3
+COSTS_FORMAT = 4
 """Part of the cache key: curves measured by an older probe are measured again."""
 
 
 @dataclass
 class CostModel:
-    """Seconds per verification pass, by batch size and tree width (tokens per sequence).
+    """Seconds per verification pass, by batch size and draft tokens over the whole batch.
 
-    Batch sizes are probed at powers of two and interpolated between; widths as ``probe_widths`` says.
-    ``measure(batch, widths)`` is called lazily for the widths of a curve not yet known; without it,
-    the samples given are all there is.
+    Batch sizes are probed at powers of two and interpolated between; draft counts as
+    ``probe_points`` says, up to ``budget`` per sequence. ``measure(batch, drafted)`` is called
+    lazily for the points of a curve not yet known; without it, the samples given are all there is.
     """
 
     samples: dict[int, dict[int, float]] = field(default_factory=dict)
     measure: Callable[[int, Sequence[int]], dict[int, float]] | None = None
-    max_width: int = DENSE_WIDTHS
+    budget: int = DENSE_TOKENS
+    """Most draft tokens one sequence may verify: how far each curve is measured."""
     path: Path | None = None
     """Where measured curves are persisted (written atomically after each new curve)."""
+    _tables: dict[tuple[int, int], list[float]] = field(default_factory=dict, repr=False)
 
-    def seconds(self, batch: int, width: int) -> float:
+    def seconds(self, batch: int, drafted: int) -> float:
         lo = 1 << (batch.bit_length() - 1)
         if lo == batch:
-            return _interpolate(self._curve(batch), width)
+            return _interpolate(self._curve(batch), drafted)
         hi = 2 * lo
-        t_lo, t_hi = _interpolate(self._curve(lo), width), _interpolate(self._curve(hi), width)
+        t_lo, t_hi = _interpolate(self._curve(lo), drafted), _interpolate(self._curve(hi), drafted)
         return t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo)
+
+    def table(self, batch: int, max_drafted: int) -> list[float]:
+        """``seconds(batch, d)`` for every ``d`` up to ``max_drafted`` (kept: budgets ask every step)."""
+        key = (batch, max_drafted)
+        if key not in self._tables:
+            self._tables[key] = [self.seconds(batch, d) for d in range(max_drafted + 1)]
+        return self._tables[key]
 
     def _curve(self, batch: int) -> dict[int, float]:
         curve = self.samples.setdefault(batch, {})
-        missing = [w for w in probe_widths(self.max_width) if w not in curve]
+        missing = [d for d in probe_points(batch, batch * self.budget) if d not in curve]
         if missing and self.measure is not None:
             curve.update(self.measure(batch, missing))
+            self._tables.clear()
             if self.path is not None:
                 save_costs(self.path, self.samples)
         if not curve:
@@ -72,48 +88,62 @@ class CostModel:
         return curve
 
 
-def probe_widths(max_width: int) -> list[int]:
-    """Every width up to ``min(max_width, DENSE_WIDTHS)``, then sparse ones up to the first past it."""
-    widths = list(range(1, min(max_width, DENSE_WIDTHS) + 1))
-    for width in SPARSE_WIDTHS:
-        if widths[-1] >= max_width:
-            break
-        widths.append(width)
-    return widths
+def probe_points(batch: int, max_drafted: int) -> list[int]:
+    """Draft counts to time for a batch: every pass up to ``DENSE_TOKENS`` tokens, sparse ones
+    beyond, and the largest the budget allows (so that no count in use is extrapolated)."""
+    dense = max(batch, DENSE_TOKENS)
+    totals = [*range(batch, dense + 1), *(t for t in SPARSE_TOKENS if t > dense)]
+    points = [t - batch for t in totals if t - batch < max_drafted]
+    return [*points, max_drafted]
 
 
-def _interpolate(curve: dict[int, float], width: int) -> float:
-    widths = sorted(curve)
-    if len(widths) == 1 or width <= widths[0]:
-        return curve[widths[0]]
-    for lo, hi in itertools.pairwise(widths):
-        if width <= hi:
-            return curve[lo] + (curve[hi] - curve[lo]) * (width - lo) / (hi - lo)
-    lo, hi = widths[-2], widths[-1]
-    return curve[hi] + (curve[hi] - curve[lo]) * (width - hi) / (hi - lo)
+def _interpolate(curve: dict[int, float], x: int) -> float:
+    points = sorted(curve)
+    if len(points) == 1 or x <= points[0]:
+        return curve[points[0]]
+    for lo, hi in itertools.pairwise(points):
+        if x <= hi:
+            return curve[lo] + (curve[hi] - curve[lo]) * (x - lo) / (hi - lo)
+    lo, hi = points[-2], points[-1]
+    return curve[hi] + (curve[hi] - curve[lo]) * (x - hi) / (hi - lo)
 
 
-def choose_width(proposals: Sequence[Proposal], costs: CostModel, max_width: int) -> int:
-    """Tree width (root included) maximising expected emitted tokens per second for the batch.
+def allocate(proposals: Sequence[Proposal], costs: CostModel, budget: int) -> list[int]:
+    """Draft nodes each sequence verifies (a prefix of its proposal), maximising expected emitted
+    tokens per second for the batch.
 
-    A sequence whose proposal is shorter than the width simply pads; with calibrated path
-    probabilities, the expected tokens a sequence emits with ``w - 1`` draft nodes is one (the
-    bonus) plus the sum of their probabilities.
+    With calibrated path probabilities, a sequence given ``n`` nodes emits one token (the bonus)
+    plus the sum of their probabilities. One greedy pass takes the batch's nodes in order of
+    probability (each proposal's own order kept, so that every kept set is a tree) and keeps the
+    count whose rate is best; zero nodes, plain decoding, when nothing in the batch pays.
     """
     batch = len(proposals)
-    longest = max((len(p) for p in proposals), default=0)
-    best_width, best_rate = 1, batch / costs.seconds(batch, 1)
-    for width in range(2, min(max_width, longest + 1) + 1):
-        expected = batch + sum(p.expected_accepted(width - 1) for p in proposals)
-        rate = expected / costs.seconds(batch, width)
+    limits = [min(len(p), budget) for p in proposals]
+    if not any(limits):
+        return limits
+    seconds = costs.table(batch, sum(limits))
+    frontier = [(-p.probs[0], b, 0) for b, p in enumerate(proposals) if limits[b]]
+    heapq.heapify(frontier)
+    taken: list[int] = []
+    expected, best_rate, best_taken = float(batch), batch / seconds[0], 0
+    while frontier:
+        negative_prob, b, node = heapq.heappop(frontier)
+        taken.append(b)
+        expected -= negative_prob
+        rate = expected / seconds[len(taken)]
         if rate > best_rate:
-            best_width, best_rate = width, rate
-    return best_width
+            best_rate, best_taken = rate, len(taken)
+        if node + 1 < limits[b]:
+            heapq.heappush(frontier, (-proposals[b].probs[node + 1], b, node + 1))
+    counts = [0] * batch
+    for b in taken[:best_taken]:
+        counts[b] += 1
+    return counts
 
 
-def fixed_width(proposals: Sequence[Proposal], costs: CostModel, max_width: int) -> int:
-    """Always verify the full budget (when the drafter found that much)."""
-    return min(max_width, max((len(p) for p in proposals), default=0) + 1)
+def fixed_allocation(proposals: Sequence[Proposal], costs: CostModel, budget: int) -> list[int]:
+    """Every sequence verifies its whole proposal, up to the budget."""
+    return [min(len(p), budget) for p in proposals]
 
 
 def cost_cache_path(model_key: str) -> Path:

@@ -22,9 +22,9 @@ from reader_spec.acceptance import AcceptanceRule, rule_for
 from reader_spec.budget import (
     PROBE_CONTEXT,
     CostModel,
-    choose_width,
+    allocate,
     cost_cache_path,
-    fixed_width,
+    fixed_allocation,
     load_costs,
     time_interleaved,
 )
@@ -135,7 +135,7 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.drafter = drafter
         self.budget = budget if drafter is not None else 0
-        self.choose_width = choose_width if adaptive_budget else fixed_width
+        self.allocate = allocate if adaptive_budget else fixed_allocation
         self._costs = costs
         self._runner: ModelRunner | None = None
         self._ids = itertools.count()
@@ -216,13 +216,13 @@ class Engine:
         started = time.perf_counter()
         if self.budget > 0:
             proposals = [self.drafter.propose(s.index, self.budget) for s in batch]
-            width = self.choose_width(proposals, self.costs, self.budget + 1)
-            proposals = [p.truncated(width - 1) for p in proposals]
+            counts = self.allocate(proposals, self.costs, self.budget)
+            proposals = [p.truncated(n) for p, n in zip(proposals, counts, strict=True)]
         else:
             proposals = [EMPTY_PROPOSAL] * len(batch)
         trees = [DraftTree.from_proposal(s.history[-1], p) for s, p in zip(batch, proposals, strict=True)]
         drafted = time.perf_counter()
-        logits = runner.verify(0, trees)
+        logits = runner.verify(trees)
         verified = time.perf_counter()
         for slot, (seq, tree, proposal) in enumerate(zip(batch, trees, proposals, strict=True)):
             path, bonus = seq.rule.select(tree, logits[slot], seq.history)
@@ -286,8 +286,8 @@ class Engine:
             path = cost_cache_path(f"{self.loaded.name}|{self.loaded.fingerprint}|{self.model.dtype}")
             self._costs = CostModel(
                 load_costs(path),
-                measure=lambda batch, widths: _probe_verify(self.model, batch, widths),
-                max_width=self.budget + 1,
+                measure=lambda batch, drafted: _probe_verify(self.model, batch, drafted),
+                budget=self.budget,
                 path=path,
             )
         return self._costs
@@ -296,22 +296,27 @@ class Engine:
         """Measure costs for the batch sizes a run may use and warm kernels, outside any timing."""
         if self.budget > 0:
             for batch in range(1, batch_size + 1):
-                self.costs.seconds(batch, 1)
+                self.costs.seconds(batch, 0)
         self.generate([[1, 2, 3, 4]], GenerationConfig(max_new_tokens=2, eos_token_ids=()))
 
 
-def _probe_verify(model, batch: int, widths: Sequence[int]) -> dict[int, float]:
-    """Seconds of a verification pass of ``batch`` chains of each width, after a short context."""
-    probe = ModelRunner(model, batch, PROBE_CONTEXT + max(widths) + 1)
+def _probe_verify(model, batch: int, drafted: Sequence[int]) -> dict[int, float]:
+    """Seconds of a packed verification pass of ``batch`` chains holding each total of draft
+    tokens (spread evenly), after a short context."""
+    most = max(drafted)
+    probe = ModelRunner(model, batch, PROBE_CONTEXT + most // batch + 2)
     context = torch.randint(0, text_config(model.config).vocab_size, (PROBE_CONTEXT,)).tolist()
     for slot in range(batch):
         probe.prefill(slot, context)
 
-    def verify(width: int) -> Callable[[], object]:
-        chain = DraftTree(context[:width], list(range(-1, width - 1)))
-        return lambda: probe.verify(0, [chain] * batch)
+    def chain(width: int) -> DraftTree:
+        return DraftTree([context[i % PROBE_CONTEXT] for i in range(width)], list(range(-1, width - 1)))
 
-    return time_interleaved({width: verify(width) for width in widths})
+    def verify(total: int) -> Callable[[], object]:
+        trees = [chain(1 + total // batch + (slot < total % batch)) for slot in range(batch)]
+        return lambda: probe.verify(trees)
+
+    return time_interleaved({total: verify(total) for total in drafted})
 
 
 def _per_request(

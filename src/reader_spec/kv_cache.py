@@ -1,8 +1,9 @@
 """A KV cache where every sequence of a batch keeps its own length.
 
 Each batch slot owns a preallocated row ``[heads, capacity, head_dim]`` per layer. A forward pass
-writes its new keys at ``length[slot] + t`` of each slot it covers and returns views of the buffers,
-so nothing is concatenated or copied per step. After verification, :meth:`RaggedKVCache.commit`
+is packed: its tokens are the slots' trees back to back (``[1, total]``), and the cache writes
+token ``t`` of slot ``s``'s tree at ``length[s] + t`` of that slot, then returns views of the
+buffers, so nothing is concatenated or copied per step. After verification, :meth:`RaggedKVCache.commit`
 moves the accepted tree nodes next to the context (a gather of a few entries per layer) and
 advances the length: rejected drafts leave neither holes nor padding behind, and the per-step
 cost is proportional to the tree, never to the context.
@@ -39,15 +40,13 @@ class _RaggedLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        rows, write_index, kv_length = self.owner.window()
-        keys, values = self.keys[rows], self.values[rows]
-        index = write_index[:, None, :, None]
-        keys.scatter_(2, index.expand_as(key_states), key_states)
-        values.scatter_(2, index.expand_as(value_states), value_states)
-        return keys[:, :, :kv_length], values[:, :, :kv_length]
+        rows, slots, positions, kv_length = self.owner.window()
+        self.keys[slots, :, positions] = key_states[0].transpose(0, 1)
+        self.values[slots, :, positions] = value_states[0].transpose(0, 1)
+        return self.keys[rows, :, :kv_length], self.values[rows, :, :kv_length]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.window()[2], 0
+        return self.owner.window()[3], 0
 
     def get_seq_length(self) -> int:
         return int(self.owner.lengths.max()) if self.owner.lengths.numel() else 0
@@ -82,29 +81,35 @@ class RaggedKVCache(Cache):
         self.device = torch.device(device)
         self.lengths = torch.zeros(num_slots, dtype=torch.long)
         self._rows = slice(0, 0)
-        self._write_index: torch.Tensor | None = None
+        self._slots: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
         self._kv_length = 0
 
     # --- the window of the next forward pass -------------------------------------------------
-    def set_window(self, rows: slice, new_tokens: int) -> int:
-        """Prepare a forward over slots ``rows`` with ``new_tokens`` inputs each.
+    def set_window(self, rows: slice, widths: list[int]) -> int:
+        """Prepare a packed forward over slots ``rows``, ``widths[i]`` new tokens for the i-th of them.
 
         Returns the key length the attention mask must have: the longest context among the rows
-        plus the new tokens.
+        plus its new tokens.
         """
         lengths = self.lengths[rows]
-        kv_length = int(lengths.max()) + new_tokens
+        widths_ = torch.tensor(widths)
+        kv_length = int((lengths + widths_).max())
         if kv_length > self.capacity:
             self.reserve(kv_length)
-        offsets = torch.arange(new_tokens)
-        self._write_index = (lengths[:, None] + offsets).to(self.device)
+        slots = torch.arange(rows.start, rows.start + len(widths)).repeat_interleave(widths_)
+        starts = torch.cumsum(widths_, 0) - widths_
+        offsets = torch.arange(int(widths_.sum())) - starts.repeat_interleave(widths_)
+        self._slots = slots.to(self.device)
+        self._positions = (lengths.repeat_interleave(widths_) + offsets).to(self.device)
         self._rows, self._kv_length = rows, kv_length
         return kv_length
 
-    def window(self) -> tuple[slice, torch.Tensor, int]:
-        if self._write_index is None:
+    def window(self) -> tuple[slice, torch.Tensor, torch.Tensor, int]:
+        """The rows, the slot and position of each new token, and the key length of the next pass."""
+        if self._slots is None:
             raise RuntimeError("RaggedKVCache.set_window must be called before a forward pass")
-        return self._rows, self._write_index, self._kv_length
+        return self._rows, self._slots, self._positions, self._kv_length
 
     @torch.inference_mode()
     def reserve(self, capacity: int) -> None:

@@ -32,7 +32,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
 )
 
-from reader_spec.attention import use_grouped_attention
+from reader_spec.attention import use_packed_attention
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def load_model(
     source, name = _resolve(model, cache_dir)
     loaded = _load_pretrained(source, name, dtype)
     loaded.model.to(device).eval().requires_grad_(False)
-    use_grouped_attention(loaded.model)
+    use_packed_attention(loaded.model)
     return loaded
 
 

@@ -1,9 +1,12 @@
 """Runs the target model's own forward on ragged batches of draft trees.
 
-The model is called unchanged, with three things built here: a 4D additive attention mask (each
-new token sees its slot's committed context and its own ancestors), explicit position ids (context
-length plus depth) and the :class:`RaggedKVCache`. Models with sliding-window layers (Gemma 2/3,
-Mistral-style configs) get one mask per layer type, which their forward accepts as a mapping.
+The model is called unchanged, with four things built here: the trees packed into one row of
+tokens (a pass costs what its total tokens cost, however unequal the trees), explicit position ids
+(context length plus depth), a 4D additive attention mask per slot (each new token sees its slot's
+committed context and its own ancestors) with the :class:`PackedLayout` that tells the attention
+which tokens belong to which slot, and the :class:`RaggedKVCache`. Models with sliding-window
+layers (Gemma 2/3, Mistral-style configs) get one mask per layer type, which their forward accepts
+as a mapping.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
+from reader_spec.attention import PackedLayout, pack, supports_packed_passes
 from reader_spec.kv_cache import RaggedKVCache
 from reader_spec.tree import DraftTree
 
@@ -45,18 +49,17 @@ def attention_mask(
     """Additive mask ``(batch, 1, width, kv_length)`` for new tokens written after each slot's context.
 
     ``local_masks[b][i, j]`` says whether new token i of row b sees new token j; ``positions`` are
-    the new tokens' position ids (right-padded rows see only themselves).
+    the new tokens' position ids. Rows past a slot's own tokens are padding no attention reads.
     """
     batch, width = positions.shape
     allowed = torch.zeros(batch, width, kv_length, dtype=torch.bool)
     key_positions = torch.arange(kv_length).repeat(batch, 1)
-    pad = torch.arange(width)
     for b, local in enumerate(local_masks):
         start, n = int(lengths[b]), local.shape[0]
         allowed[b, :n, :start] = True
         allowed[b, :n, start : start + n] = local
-        allowed[b, pad[n:], start + pad[n:]] = True
-        key_positions[b, start : start + width] = positions[b]
+        allowed[b, n:, 0] = True  # padding rows (discarded) see one key, so that no row is all -inf
+        key_positions[b, start : start + n] = positions[b, :n]
     masks = {"full_attention": allowed}
     if sliding_window is not None:
         distance = positions[:, :, None] - key_positions[:, None, :]
@@ -69,33 +72,39 @@ def attention_mask(
 
 
 class ModelRunner:
-    """Owns the model and its ragged KV cache; turns prompts and trees into logits."""
+    """Owns the model and its ragged KV cache; turns prompts and trees into logits.
+
+    Models whose attention cannot run packed passes (neither ``sdpa`` nor ``eager``) verify one
+    slot per forward: still exact, but a batch then costs one pass per sequence.
+    """
 
     def __init__(self, model: PreTrainedModel, num_slots: int, capacity: int):
         self.model = model
         self.device = model.device
         self.dtype = model.dtype
         self.sliding_window = sliding_window_of(model.config)
+        self.packed = supports_packed_passes(model)
         num_layers = text_config(model.config).num_hidden_layers
         self.cache = RaggedKVCache(num_layers, num_slots, capacity, self.device)
 
     @torch.inference_mode()
-    def verify(self, first_slot: int, trees: Sequence[DraftTree]) -> list[torch.Tensor]:
-        """One forward over one tree per slot ``first_slot + i``; returns each tree's logits.
+    def verify(self, trees: Sequence[DraftTree]) -> list[torch.Tensor]:
+        """One forward over one tree per slot (slot ``i`` holds ``trees[i]``); returns each tree's logits.
 
-        Trees are right-padded to the largest. Everything is written past each slot's committed
-        length; the caller then commits the accepted nodes with ``cache.commit``.
+        Everything is written past each slot's committed length; the caller then commits the
+        accepted nodes with ``cache.commit``.
         """
-        width = max(len(tree) for tree in trees)
+        if len(trees) > 1 and not self.packed:
+            return [self._verify(slot, [tree])[0] for slot, tree in enumerate(trees)]
+        return self._verify(0, trees)
+
+    def _verify(self, first_slot: int, trees: Sequence[DraftTree]) -> list[torch.Tensor]:
         rows = slice(first_slot, first_slot + len(trees))
         lengths = self.cache.lengths[rows]
-        input_ids = torch.zeros(len(trees), width, dtype=torch.long)
-        positions = lengths[:, None] + torch.arange(width)
-        for b, tree in enumerate(trees):
-            input_ids[b, : len(tree)] = torch.tensor(tree.tokens)
-            positions[b, : len(tree)] = lengths[b] + torch.tensor(tree.depths)
+        input_ids = torch.tensor([[token for tree in trees for token in tree.tokens]])
+        positions = torch.cat([lengths[b] + torch.tensor(tree.depths) for b, tree in enumerate(trees)])[None]
         logits = self._forward(rows, input_ids, positions, [t.ancestor_mask() for t in trees], keep=0)
-        return [logits[b, : len(tree)] for b, tree in enumerate(trees)]
+        return list(logits[0].split([len(tree) for tree in trees]))
 
     @torch.inference_mode()
     def prefill(self, slot: int, tokens: Sequence[int]) -> torch.Tensor:
@@ -112,20 +121,45 @@ class ModelRunner:
         return logits[0, -1]
 
     def _forward(self, rows: slice, input_ids, positions, local_masks, keep: int) -> torch.Tensor:
-        kv_length = self.cache.set_window(rows, input_ids.shape[1])
+        """Run packed tokens (``[1, total]``) whose slot ``rows.start + i`` owns ``len(local_masks[i])``."""
+        widths = [local.shape[0] for local in local_masks]
+        lengths = self.cache.lengths[rows]
+        kv_length = self.cache.set_window(rows, widths)
+        padded_positions = lengths[:, None] + torch.arange(max(widths))
+        for b, chunk in enumerate(positions[0].split(widths)):
+            padded_positions[b, : len(chunk)] = chunk
         mask = attention_mask(
-            self.cache.lengths[rows], local_masks, positions, kv_length, self.dtype, self.sliding_window
+            lengths, local_masks, padded_positions, kv_length, self.dtype, self.sliding_window
         )
         if isinstance(mask, dict):
             mask = {name: m.to(self.device) for name, m in mask.items()}
         else:
             mask = mask.to(self.device)
-        out = self.model(
-            input_ids=input_ids.to(self.device),
-            position_ids=positions.to(self.device),
-            attention_mask=mask,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
+        layout = pack(widths, lengths.tolist()) if len(widths) > 1 else None
+        extra = {} if layout is None else {"packed_layout": layout}
+        try:
+            out = self.model(
+                input_ids=input_ids.to(self.device),
+                position_ids=positions.to(self.device),
+                attention_mask=mask,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=keep,
+                **extra,
+            )
+        except RuntimeError as error:
+            _check_layout_used(self.model, layout, error)
+            raise
+        _check_layout_used(self.model, layout)
         return out.logits.float()
+
+
+def _check_layout_used(
+    model: PreTrainedModel, layout: PackedLayout | None, error: Exception | None = None
+) -> None:
+    """A model whose attention bypasses transformers' interface cannot run packed passes: say so."""
+    if layout is not None and layout.calls == 0:
+        raise RuntimeError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
+            "so it cannot verify several sequences in one pass; use batch size 1"
+        ) from error
