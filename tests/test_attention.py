@@ -59,19 +59,25 @@ def shape(layout):
 
 
 def test_pack_groups_slots_by_cost():
-    # Free calls: one group per run of equal widths, no padding.
-    assert shape(pack([1, 1, 4, 4, 1, 2], [10, 30, 5, 7, 2, 9], call_cost=0)) == [
-        (0, 2, 1, 31, 2, False),
-        (2, 2, 4, 11, 8, False),
-        (4, 1, 1, 3, 1, False),
-        (5, 1, 2, 11, 2, False),
+    widths, lengths = [1, 1, 4, 4, 1, 2], [10, 30, 5, 7, 2, 9]
+    # Free calls: every slot alone, attending to exactly its own keys.
+    assert shape(pack(widths, lengths, call_cost=0)) == [
+        (slot, 1, w, n + w, w, False) for slot, (w, n) in enumerate(zip(widths, lengths, strict=True))
     ]
     # Dear calls: everything in one padded group.
-    assert shape(pack([1, 1, 4, 4, 1, 2], [10, 30, 5, 7, 2, 9], call_cost=10**9)) == [(0, 6, 4, 34, 13, True)]
-    # One deep tree among lone roots is not worth padding 31 slots to 17 tokens of 600-token contexts.
+    assert shape(pack(widths, lengths, call_cost=10**9)) == [(0, 6, 4, 34, 13, True)]
+    # Equal slots stay together whatever a call costs.
+    assert shape(pack([2] * 5, [40] * 5, call_cost=0)) == [(0, 5, 2, 42, 10, False)]
+    # One deep tree among lone roots is not worth padding 31 slots to 17 tokens of 600-token contexts,
+    # nor one long prompt worth 31 short ones attending over 2,000 masked keys.
     assert shape(pack([1] * 31 + [17], [600] * 32)) == [
         (0, 31, 1, 601, 31, False),
         (31, 1, 17, 617, 17, False),
+    ]
+    assert shape(pack([1] * 32, [300] * 15 + [2000] + [300] * 16)) == [
+        (0, 15, 1, 301, 15, False),
+        (15, 1, 1, 2001, 1, False),
+        (16, 16, 1, 301, 16, False),
     ]
     # A lone extra token is: padding 2 query rows costs less than two more calls.
     assert shape(pack([1, 2, 1], [600] * 3)) == [(0, 3, 2, 602, 4, True)]

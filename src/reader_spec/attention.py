@@ -71,35 +71,28 @@ class PackedLayout:
 
 
 def pack(widths: list[int], lengths: list[int], call_cost: int = ATTENTION_CALL_COST) -> PackedLayout:
-    """Split slots into consecutive groups minimising ``calls x call_cost + padded query-key pairs``.
+    """Split slots into consecutive groups minimising ``calls x call_cost + query-key pairs``.
 
-    A group of ``count`` slots padded to its widest tree costs ``count x width x kv_length`` pairs;
-    an exact dynamic programme over the slots' runs of equal width (at most one per slot).
+    A group of ``count`` slots attends as ``count x width x (longest context + width)`` pairs: its
+    trees padded to the widest, its contexts to the longest (a masked key still costs its pair). A
+    long prompt among short ones therefore gets its own call, as does a deep tree among lone roots.
+    Exact dynamic programme over the slots.
     """
-    runs: list[list[int]] = []  # [first, count, width]
-    for slot, width in enumerate(widths):
-        if runs and runs[-1][2] == width:
-            runs[-1][1] += 1
-        else:
-            runs.append([slot, 1, width])
-    ends = [first + count for first, count, _ in runs]
-    best = [0] + [None] * len(runs)  # best[i]: cheapest split of the first i runs
-    split = [0] * (len(runs) + 1)
-    for i in range(1, len(runs) + 1):
+    best = [0] + [0] * len(widths)  # best[i]: cheapest split of the first i slots
+    split = [0] * (len(widths) + 1)
+    for i in range(1, len(widths) + 1):
         width = longest = 0
-        for j in range(i - 1, -1, -1):  # group runs j..i-1
-            first = runs[j][0]
-            width = max(width, runs[j][2])
-            longest = max(longest, *lengths[first : ends[j]])
-            cost = best[j] + call_cost + (ends[i - 1] - first) * width * (longest + width)
-            if best[i] is None or cost < best[i]:
+        best[i] = -1
+        for j in range(i - 1, -1, -1):  # one group of slots j..i-1
+            width, longest = max(width, widths[j]), max(longest, lengths[j])
+            cost = best[j] + call_cost + (i - j) * width * (longest + width)
+            if best[i] < 0 or cost <= best[i]:  # ties: the larger group, fewer calls
                 best[i], split[i] = cost, j
     groups = []
-    i = len(runs)
+    i = len(widths)
     while i:
-        j = split[i]
-        groups.append(_group(widths, lengths, runs[j][0], ends[i - 1]))
-        i = j
+        groups.append(_group(widths, lengths, split[i], i))
+        i = split[i]
     return PackedLayout(groups[::-1])
 
 
