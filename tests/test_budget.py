@@ -2,6 +2,8 @@ import pytest
 
 import reader_spec.budget as budget
 from reader_spec.budget import (
+    LONG_CONTEXT,
+    PROBE_CONTEXT,
     CostModel,
     allocate,
     fixed_allocation,
@@ -30,7 +32,12 @@ CURVE = {
 
 def costs(scale_by_batch=None):
     scale_by_batch = scale_by_batch or {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.0}
-    return CostModel({b: {d: t * s for d, t in CURVE.items()} for b, s in scale_by_batch.items()})
+    return at_probe_context({b: {d: t * s for d, t in CURVE.items()} for b, s in scale_by_batch.items()})
+
+
+def at_probe_context(curves):
+    """Cost samples measured at the probe context only, as ``{batch: {drafted: seconds}}``."""
+    return CostModel({PROBE_CONTEXT: curves})
 
 
 def test_interpolates_draft_counts_and_batches():
@@ -45,16 +52,32 @@ def test_measures_lazily_and_persists(tmp_path):
     calls = []
     path = tmp_path / "c.json"
 
-    def measure(batch, drafted):
-        calls.append((batch, list(drafted)))
-        return {d: 0.01 * (d + 1) for d in drafted}
+    def measure(batch, drafted, context):
+        calls.append((batch, list(drafted), context))
+        return {d: 0.01 * (d + 1) * context / PROBE_CONTEXT for d in drafted}
 
     model = CostModel(measure=measure, budget=4, path=path)
     assert model.seconds(2, 3) == pytest.approx(0.04)
-    assert calls == [(2, list(range(9)))]  # one curve, every total the budget allows
+    # One curve, every total the budget allows; at the long context no draft and two per sequence.
+    assert calls == [(2, list(range(9)), PROBE_CONTEXT), (2, [0, 4], LONG_CONTEXT)]
     assert load_costs(path) == model.samples
     model.seconds(2, 5)
-    assert len(calls) == 1
+    assert len(calls) == 2
+
+
+def test_cost_grows_with_context_as_measured_at_the_long_context():
+    long = LONG_CONTEXT - PROBE_CONTEXT
+    model = CostModel(
+        {
+            PROBE_CONTEXT: {4: {0: 1.0, 4: 1.2, 8: 1.4, 16: 1.8}},
+            LONG_CONTEXT: {4: {0: 2.0, 8: 2.8}},  # each context token adds 1/long s, 1.4/long with 8 drafts
+        }
+    )
+    assert model.seconds(4, 0, LONG_CONTEXT) == pytest.approx(2.0)
+    assert model.seconds(4, 8, LONG_CONTEXT) == pytest.approx(2.8)
+    assert model.seconds(4, 4, PROBE_CONTEXT + long / 2) == pytest.approx(1.2 + 0.6)  # slope 1.2/long
+    assert model.seconds(4, 16, LONG_CONTEXT) == pytest.approx(1.8 + 1.8)  # slope extrapolated to 1.8/long
+    assert model.table(4, 16, 700) == pytest.approx([model.seconds(4, d, 700) for d in range(17)])
 
 
 def test_probes_every_total_up_to_the_dense_limit_then_sparse_ones_up_to_the_budget():
@@ -70,7 +93,7 @@ def test_probes_every_total_up_to_the_dense_limit_then_sparse_ones_up_to_the_bud
 
 def test_a_staircase_curve_is_priced_where_it_was_measured():
     """Two drafts costing what one does must not be priced halfway to three."""
-    model = CostModel({1: {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.5}})
+    model = at_probe_context({1: {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.5}})
     third = chain_proposal(range(3), [0.2, 0.04, 0.01])
     assert model.seconds(1, 2) == 1.0
     assert allocate([third], model, 3) == [2]
@@ -107,8 +130,8 @@ def test_corrupt_cost_file_is_ignored(tmp_path):
     path = tmp_path / "c.json"
     path.write_text("{not json")
     assert load_costs(path) == {}
-    save_costs(path, {1: {1: 0.5}})
-    assert load_costs(path) == {1: {1: 0.5}}
+    save_costs(path, {256: {1: {1: 0.5}}})
+    assert load_costs(path) == {256: {1: {1: 0.5}}}
 
 
 def test_weak_drafts_are_not_verified():
@@ -137,7 +160,7 @@ def test_draft_tokens_go_to_the_sequences_whose_nodes_are_likeliest():
     weak = chain_proposal(range(8), [0.02] * 8)
     middling = chain_proposal(range(8), [0.6, 0.3, 0.1, 0.05, 0.02, 0.01, 0.01, 0.01])
     # Each draft token adds 0.01 s to a 1 s pass of four sequences.
-    linear = CostModel({4: {0: 1.0, 32: 1.32}})
+    linear = at_probe_context({4: {0: 1.0, 32: 1.32}})
     counts = allocate([weak, sure, EMPTY_PROPOSAL, middling], linear, 8)
     assert counts[0] == counts[2] == 0
     assert counts[1] == 8
@@ -152,9 +175,12 @@ def test_draft_tokens_go_to_the_sequences_whose_nodes_are_likeliest():
 def test_total_draft_follows_the_batchs_spare_compute():
     """Where extra tokens are nearly free the batch drafts more than where they cost dearly."""
     proposals = [chain_proposal(range(8), [0.5 ** (i + 1) for i in range(8)]) for _ in range(8)]
-    cheap = CostModel({8: {0: 1.0, 64: 1.1}})
-    dear = CostModel({8: {0: 1.0, 64: 4.0}})
+    cheap = at_probe_context({8: {0: 1.0, 64: 1.1}})
+    dear = at_probe_context({8: {0: 1.0, 64: 4.0}})
     assert sum(allocate(proposals, cheap, 8)) > sum(allocate(proposals, dear, 8)) > 0
+    # Long contexts make the pass dearer, the same drafts relatively cheaper: more of them pay.
+    with_context = CostModel({PROBE_CONTEXT: {8: {0: 1.0, 64: 4.0}}, LONG_CONTEXT: {8: {0: 3.0, 16: 3.75}}})
+    assert sum(allocate(proposals, with_context, 8, LONG_CONTEXT)) > sum(allocate(proposals, with_context, 8))
 
 
 def test_fixed_allocation_uses_the_budget():

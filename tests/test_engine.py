@@ -17,8 +17,8 @@ from reader_spec.drafters import ReaderDrafter
 from reader_spec.engine import Engine
 from reader_spec.tree import EMPTY_PROPOSAL, Proposal, chain_proposal
 
-FLAT_COSTS = CostModel(measure=lambda batch, widths: dict.fromkeys(widths, 1.0))
-"""Verification costs the same at any width, so every proposed node is verified."""
+FLAT_COSTS = CostModel(measure=lambda batch, drafted, context: dict.fromkeys(drafted, 1.0))
+"""Verification costs the same whatever it verifies, so every proposed node is verified."""
 
 NO_EOS = GenerationConfig(max_new_tokens=40, eos_token_ids=())
 
@@ -184,7 +184,7 @@ def test_batch_budget_gives_each_sequence_its_own_draft(tiny, prompts, plain_out
 
     monkeypatch.setattr(runner_module, "pack", functools.partial(runner_module.pack, call_cost=call_cost))
     references = [p + o.tokens for p, o in zip(prompts, plain_outputs, strict=True)]
-    linear = CostModel(measure=lambda batch, drafted: {d: 1.0 + 0.02 * d for d in drafted})
+    linear = CostModel(measure=lambda batch, drafted, context: {d: 1.0 + 0.02 * d for d in drafted})
     engine = Engine(tiny, HalfSureDrafter(references, 0.0), budget=6, costs=linear)
     outputs = engine.generate(prompts, NO_EOS, batch_size=4)
     assert [o.tokens for o in outputs] == [o.tokens for o in plain_outputs]
@@ -195,7 +195,7 @@ def test_batch_budget_gives_each_sequence_its_own_draft(tiny, prompts, plain_out
 
 def test_weak_drafts_are_not_verified(tiny, prompts, plain_outputs):
     references = [p + o.tokens for p, o in zip(prompts, plain_outputs, strict=True)]
-    steep = CostModel(measure=lambda batch, widths: {w: 1.0 + w for w in widths})
+    steep = CostModel(measure=lambda batch, drafted, context: {d: 2.0 + d for d in drafted})
     engine = Engine(tiny, ScriptedDrafter(references, 0.0, prob=0.05), budget=8, costs=steep)
     outputs = engine.generate(prompts[:2], NO_EOS)
     assert sum(o.stats.drafted for o in outputs) == 0

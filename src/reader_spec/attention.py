@@ -20,6 +20,7 @@ soft-capping) goes to ``sdpa`` itself.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,15 +79,14 @@ def pack(widths: list[int], lengths: list[int], call_cost: int = ATTENTION_CALL_
     long prompt among short ones therefore gets its own call, as does a deep tree among lone roots.
     Exact dynamic programme over the slots.
     """
-    best = [0] + [0] * len(widths)  # best[i]: cheapest split of the first i slots
-    split = [0] * (len(widths) + 1)
+    best = [0.0] + [math.inf] * len(widths)  # best[i]: cheapest split of the first i slots
+    split = [0] * (len(widths) + 1)  # split[i]: where the last group of that split starts
     for i in range(1, len(widths) + 1):
         width = longest = 0
-        best[i] = -1
-        for j in range(i - 1, -1, -1):  # one group of slots j..i-1
+        for j in range(i - 1, -1, -1):  # the last group is slots j..i-1
             width, longest = max(width, widths[j]), max(longest, lengths[j])
             cost = best[j] + call_cost + (i - j) * width * (longest + width)
-            if best[i] < 0 or cost <= best[i]:  # ties: the larger group, fewer calls
+            if cost <= best[i]:  # ties: the larger group, fewer calls
                 best[i], split[i] = cost, j
     groups = []
     i = len(widths)

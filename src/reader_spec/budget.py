@@ -38,52 +38,76 @@ DENSE_TOKENS = 32
 """Passes of up to this many tree tokens (whole batch) are all timed; larger ones at ``SPARSE_TOKENS``."""
 SPARSE_TOKENS = (48, 64, 96, 128, 192, 256, 384, 512)
 PROBE_CONTEXT = 256
+LONG_CONTEXT = 1024
+"""A second context length, timed at two points per batch size: how a pass's cost grows with context."""
 PROBE_ROUNDS = 9
-COSTS_FORMAT = 4
+COSTS_FORMAT = 5
 """Part of the cache key: curves measured by an older probe are measured again."""
+
+Curves = dict[int, dict[int, dict[int, float]]]
+"""Seconds by context length, then batch size, then draft tokens of the whole batch."""
 
 
 @dataclass
 class CostModel:
-    """Seconds per verification pass, by batch size and draft tokens over the whole batch.
+    """Seconds per verification pass, by batch size, draft tokens over the whole batch and context.
 
-    Batch sizes are probed at powers of two and interpolated between; draft counts as
-    ``probe_points`` says, up to ``budget`` per sequence. ``measure(batch, drafted)`` is called
-    lazily for the points of a curve not yet known; without it, the samples given are all there is.
+    At ``PROBE_CONTEXT`` every batch size probed (powers of two, interpolated between) has a full
+    curve over draft counts (``probe_points``, up to ``budget`` per sequence); at ``LONG_CONTEXT``
+    two points (no draft, two per sequence) give how much each context token adds, which is
+    interpolated linearly in the draft count: attention is what grows with context, and on a CPU a
+    batch of long contexts makes a pass dearer and each extra draft token relatively cheaper.
+    ``measure(batch, drafted, context)`` is called lazily for points not yet known; without it, the
+    samples given are all there is (a context without samples is priced as ``PROBE_CONTEXT``).
     """
 
-    samples: dict[int, dict[int, float]] = field(default_factory=dict)
-    measure: Callable[[int, Sequence[int]], dict[int, float]] | None = None
+    samples: Curves = field(default_factory=dict)
+    measure: Callable[[int, Sequence[int], int], dict[int, float]] | None = None
     budget: int = DENSE_TOKENS
     """Most draft tokens one sequence may verify: how far each curve is measured."""
     path: Path | None = None
     """Where measured curves are persisted (written atomically after each new curve)."""
-    _tables: dict[tuple[int, int], list[float]] = field(default_factory=dict, repr=False)
+    _tables: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict, repr=False)
 
-    def seconds(self, batch: int, drafted: int) -> float:
+    def seconds(self, batch: int, drafted: int, context: float = PROBE_CONTEXT) -> float:
         lo = 1 << (batch.bit_length() - 1)
         if lo == batch:
-            return _interpolate(self._curve(batch), drafted)
+            return self._seconds(batch, drafted, context)
         hi = 2 * lo
-        t_lo, t_hi = _interpolate(self._curve(lo), drafted), _interpolate(self._curve(hi), drafted)
+        t_lo, t_hi = self._seconds(lo, drafted, context), self._seconds(hi, drafted, context)
         return t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo)
 
-    def table(self, batch: int, max_drafted: int) -> list[float]:
-        """``seconds(batch, d)`` for every ``d`` up to ``max_drafted`` (kept: budgets ask every step)."""
-        key = (batch, max_drafted)
-        if key not in self._tables:
-            self._tables[key] = [self.seconds(batch, d) for d in range(max_drafted + 1)]
-        return self._tables[key]
+    def table(self, batch: int, max_drafted: int, context: float = PROBE_CONTEXT) -> list[float]:
+        """``seconds(batch, d, context)`` for every ``d`` up to ``max_drafted`` (budgets ask every step)."""
+        tables = self._tables.get(batch)
+        if tables is None or len(tables[0]) <= max_drafted:
+            most = max(max_drafted, batch * self.budget)
+            at_probe = [self.seconds(batch, d) for d in range(most + 1)]
+            per_token = [self.seconds(batch, d, PROBE_CONTEXT + 1) - t for d, t in enumerate(at_probe)]
+            tables = self._tables[batch] = (at_probe, per_token)
+        extra = context - PROBE_CONTEXT
+        return [t + extra * k for t, k in zip(tables[0][: max_drafted + 1], tables[1], strict=False)]
 
-    def _curve(self, batch: int) -> dict[int, float]:
-        curve = self.samples.setdefault(batch, {})
-        missing = [d for d in probe_points(batch, batch * self.budget) if d not in curve]
+    def _seconds(self, batch: int, drafted: int, context: float) -> float:
+        short = _interpolate(self._curve(batch, PROBE_CONTEXT), drafted)
+        long = self._curve(batch, LONG_CONTEXT)
+        if not long:
+            return short
+        short_at = {d: _interpolate(self._curve(batch, PROBE_CONTEXT), d) for d in long}
+        slopes = {d: max(0.0, (t - short_at[d]) / (LONG_CONTEXT - PROBE_CONTEXT)) for d, t in long.items()}
+        return short + (context - PROBE_CONTEXT) * max(0.0, _interpolate(slopes, drafted))
+
+    def _curve(self, batch: int, context: int) -> dict[int, float]:
+        curve = self.samples.setdefault(context, {}).setdefault(batch, {})
+        most = batch * self.budget
+        wanted = probe_points(batch, most) if context == PROBE_CONTEXT else sorted({0, min(2 * batch, most)})
+        missing = [d for d in wanted if d not in curve]
         if missing and self.measure is not None:
-            curve.update(self.measure(batch, missing))
+            curve.update(self.measure(batch, missing, context))
             self._tables.clear()
             if self.path is not None:
                 save_costs(self.path, self.samples)
-        if not curve:
+        if not curve and context == PROBE_CONTEXT:
             raise KeyError(f"no cost measured for batch size {batch}")
         return curve
 
@@ -108,7 +132,9 @@ def _interpolate(curve: dict[int, float], x: int) -> float:
     return curve[hi] + (curve[hi] - curve[lo]) * (x - hi) / (hi - lo)
 
 
-def allocate(proposals: Sequence[Proposal], costs: CostModel, budget: int) -> list[int]:
+def allocate(
+    proposals: Sequence[Proposal], costs: CostModel, budget: int, context: float = PROBE_CONTEXT
+) -> list[int]:
     """Draft nodes each sequence verifies (a prefix of its proposal), maximising expected emitted
     tokens per second for the batch.
 
@@ -116,12 +142,13 @@ def allocate(proposals: Sequence[Proposal], costs: CostModel, budget: int) -> li
     plus the sum of their probabilities. One greedy pass takes the batch's nodes in order of
     probability (each proposal's own order kept, so that every kept set is a tree) and keeps the
     count whose rate is best; zero nodes, plain decoding, when nothing in the batch pays.
+    ``context`` is the batch's mean context length, which the costs depend on.
     """
     batch = len(proposals)
     limits = [min(len(p), budget) for p in proposals]
     if not any(limits):
         return limits
-    seconds = costs.table(batch, sum(limits))
+    seconds = costs.table(batch, sum(limits), context)
     frontier = [(-p.probs[0], b, 0) for b, p in enumerate(proposals) if limits[b]]
     heapq.heapify(frontier)
     taken: list[int] = []
@@ -141,7 +168,9 @@ def allocate(proposals: Sequence[Proposal], costs: CostModel, budget: int) -> li
     return counts
 
 
-def fixed_allocation(proposals: Sequence[Proposal], costs: CostModel, budget: int) -> list[int]:
+def fixed_allocation(
+    proposals: Sequence[Proposal], costs: CostModel, budget: int, context: float = PROBE_CONTEXT
+) -> list[int]:
     """Every sequence verifies its whole proposal, up to the budget."""
     return [min(len(p), budget) for p in proposals]
 
@@ -160,15 +189,18 @@ def _default_cache_root() -> Path:
     return Path(user_cache_dir("reader-spec"))
 
 
-def load_costs(path: Path) -> dict[int, dict[int, float]]:
+def load_costs(path: Path) -> Curves:
     try:
         raw = json.loads(path.read_text())
-        return {int(b): {int(w): float(s) for w, s in curve.items()} for b, curve in raw.items()}
+        return {
+            int(context): {int(b): {int(d): float(t) for d, t in c.items()} for b, c in curves.items()}
+            for context, curves in raw.items()
+        }
     except (OSError, ValueError, AttributeError):
         return {}
 
 
-def save_costs(path: Path, samples: dict[int, dict[int, float]]) -> None:
+def save_costs(path: Path, samples: Curves) -> None:
     """Write atomically so concurrent engines never read half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")

@@ -20,7 +20,6 @@ import torch
 
 from reader_spec.acceptance import AcceptanceRule, rule_for
 from reader_spec.budget import (
-    PROBE_CONTEXT,
     CostModel,
     allocate,
     cost_cache_path,
@@ -216,7 +215,8 @@ class Engine:
         started = time.perf_counter()
         if self.budget > 0:
             proposals = [self.drafter.propose(s.index, self.budget) for s in batch]
-            counts = self.allocate(proposals, self.costs, self.budget)
+            context = float(runner.cache.lengths[: len(batch)].float().mean())
+            counts = self.allocate(proposals, self.costs, self.budget, context)
             proposals = [p.truncated(n) for p, n in zip(proposals, counts, strict=True)]
         else:
             proposals = [EMPTY_PROPOSAL] * len(batch)
@@ -286,7 +286,7 @@ class Engine:
             path = cost_cache_path(f"{self.loaded.name}|{self.loaded.fingerprint}|{self.model.dtype}")
             self._costs = CostModel(
                 load_costs(path),
-                measure=lambda batch, drafted: _probe_verify(self.model, batch, drafted),
+                measure=lambda batch, drafted, context: _probe_verify(self.model, batch, drafted, context),
                 budget=self.budget,
                 path=path,
             )
@@ -300,17 +300,18 @@ class Engine:
         self.generate([[1, 2, 3, 4]], GenerationConfig(max_new_tokens=2, eos_token_ids=()))
 
 
-def _probe_verify(model, batch: int, drafted: Sequence[int]) -> dict[int, float]:
+def _probe_verify(model, batch: int, drafted: Sequence[int], context: int) -> dict[int, float]:
     """Seconds of a packed verification pass of ``batch`` chains holding each total of draft
-    tokens (spread evenly), after a short context."""
+    tokens (spread evenly), after ``context`` tokens in every slot."""
     most = max(drafted)
-    probe = ModelRunner(model, batch, PROBE_CONTEXT + most // batch + 2)
-    context = torch.randint(0, text_config(model.config).vocab_size, (PROBE_CONTEXT,)).tolist()
-    for slot in range(batch):
-        probe.prefill(slot, context)
+    probe = ModelRunner(model, batch, context + most // batch + 2)
+    tokens = torch.randint(0, text_config(model.config).vocab_size, (context,)).tolist()
+    probe.prefill(0, tokens)
+    for slot in range(1, batch):
+        probe.cache.copy_slot(0, slot)
 
     def chain(width: int) -> DraftTree:
-        return DraftTree([context[i % PROBE_CONTEXT] for i in range(width)], list(range(-1, width - 1)))
+        return DraftTree([tokens[i % context] for i in range(width)], list(range(-1, width - 1)))
 
     def verify(total: int) -> Callable[[], object]:
         trees = [chain(1 + total // batch + (slot < total % batch)) for slot in range(batch)]

@@ -140,14 +140,18 @@ class RaggedKVCache(Cache):
         self.lengths[slot] = start + len(accepted)
 
     @torch.inference_mode()
-    def move_slot(self, src: int, dst: int) -> None:
-        """Copy a slot's committed entries into another slot (used when a batch compacts)."""
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy a slot's committed entries into another slot."""
         length = int(self.lengths[src])
         for layer in self.layers:
             if layer.keys is not None:
                 layer.keys[dst, :, :length] = layer.keys[src, :, :length]
                 layer.values[dst, :, :length] = layer.values[src, :, :length]
         self.lengths[dst] = length
+
+    def move_slot(self, src: int, dst: int) -> None:
+        """Move a slot's committed entries into another slot (used when a batch compacts)."""
+        self.copy_slot(src, dst)
         self.lengths[src] = 0
 
     def reset_slot(self, slot: int) -> None:
