@@ -3,7 +3,8 @@
 A verification pass over more tokens costs more (on a 2-core CPU, 8 tree tokens cost about 1.8
 plain steps at batch 1), so drafting only pays when the expected accepted tokens outweigh the extra
 time. The cost of a pass is measured once per machine, model and batch size as a function of the
-total draft tokens of the batch (passes are packed, so that is what they cost) and cached on disk.
+total draft tokens of the batch (passes are packed, so that is what they cost), plus how it grows
+with the context length, and cached on disk.
 Each step then ranks every sequence's candidate nodes together by their probability of being
 accepted and keeps the count that maximises expected tokens per second for the whole batch: a
 sequence with a long, sure match gets a deep tree, one with nothing likely gets none, and the total
