@@ -49,7 +49,8 @@ def attention_mask(
     """Additive mask ``(batch, 1, width, kv_length)`` for new tokens written after each slot's context.
 
     ``local_masks[b][i, j]`` says whether new token i of row b sees new token j; ``positions`` are
-    the new tokens' position ids. Rows past a slot's own tokens are padding no attention reads.
+    the new tokens' position ids. Rows past a slot's own tokens are padding: an attention group that
+    pads its trees to the widest computes them and discards the result.
     """
     batch, width = positions.shape
     allowed = torch.zeros(batch, width, kv_length, dtype=torch.bool)
