@@ -18,8 +18,8 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 
+from reader_spec.bench.replay import replay_step
 from reader_spec.drafters import ReaderDrafter
-from reader_spec.tree import DraftTree
 
 VOCAB = 49_152
 
@@ -50,55 +50,41 @@ def take(stream: Iterator[int], n: int) -> list[int]:
     return [next(stream) for _ in range(n)]
 
 
-def summary_ms(samples_ns: list[int]) -> str:
-    ordered = sorted(samples_ns)
+def summary_ms(samples: list[float]) -> str:
+    ordered = sorted(samples)
     p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-    return f"median {statistics.median(ordered) / 1e6:7.3f} ms   p99 {p99 / 1e6:7.3f} ms   (n={len(ordered)})"
+    return f"median {statistics.median(ordered) * 1e3:7.3f} ms   p99 {p99 * 1e3:7.3f} ms   (n={len(ordered)})"
 
 
-def bench_build(prompt: list[int], repeats: int) -> list[int]:
+def bench_build(prompt: list[int], repeats: int) -> list[float]:
     times = []
     for i in range(repeats):
         drafter = ReaderDrafter()
-        start = time.perf_counter_ns()
+        start = time.perf_counter()
         drafter.begin(i, prompt)
-        times.append(time.perf_counter_ns() - start)
+        times.append(time.perf_counter() - start)
     return times
-
-
-def accepted_nodes(proposal_tokens: tuple[int, ...], parents: tuple[int, ...], truth: list[int]) -> list[int]:
-    """Proposal nodes a greedy verifier accepts when the model's output is ``truth`` (deepest agreeing
-    path, root first), as the engine reports them to ``observe``."""
-    tree = DraftTree([0, *proposal_tokens], [-1, *(p + 1 for p in parents)])
-    path, _ = tree.walk(lambda node: truth[tree.depths[node]] if tree.depths[node] < len(truth) else -1)
-    return [node - 1 for node in path[1:]]
 
 
 def bench_decode(prompt: list[int], output: list[int], max_nodes: int) -> dict[str, object]:
     drafter = ReaderDrafter()
     drafter.begin("r", prompt)
-    hit_ns, miss_ns, extend_ns, expected, accepted = [], [], [], [], []
-    position = 0
+    hit_s, miss_s, feedback_s, expected, accepted = [], [], [], [], []
+    position, root = 0, prompt[-1]
     while position < len(output):
-        start = time.perf_counter_ns()
-        proposal = drafter.propose("r", max_nodes)
-        (hit_ns if proposal else miss_ns).append(time.perf_counter_ns() - start)
-        nodes = accepted_nodes(proposal.tokens, proposal.parents, output[position:])
-        n = len(nodes)
-        expected.append(proposal.expected_accepted())
-        accepted.append(n)
-        drafter.observe("r", proposal, nodes)
-        emitted = output[position : position + n + 1]  # accepted drafts plus the bonus token
-        start = time.perf_counter_ns()
-        drafter.extend("r", emitted)
-        extend_ns.append(time.perf_counter_ns() - start)
-        position += len(emitted)
+        step = replay_step(drafter, "r", root, output[position:], max_nodes)
+        (hit_s if step.proposal else miss_s).append(step.propose_seconds)
+        feedback_s.append(step.feedback_seconds)
+        expected.append(sum(step.proposal.probs))
+        accepted.append(step.accepted)
+        position += len(step.emitted)
+        root = step.emitted[-1]
     late = len(accepted) // 2  # calibration has warmed up by the second half
     return {
         "steps": len(accepted),
-        "propose, drafted": summary_ms(hit_ns) if hit_ns else "never",
-        "propose, no match": summary_ms(miss_ns) if miss_ns else "never",
-        "extend": summary_ms(extend_ns),
+        "propose, drafted": summary_ms(hit_s) if hit_s else "never",
+        "propose, no match": summary_ms(miss_s) if miss_s else "never",
+        "observe + extend": summary_ms(feedback_s),
         "tokens/step": sum(accepted) / len(accepted) + 1,
         "expected (2nd half)": sum(expected[late:]) / len(expected[late:]),
         "accepted (2nd half)": sum(accepted[late:]) / len(accepted[late:]),
@@ -125,7 +111,7 @@ def main() -> None:
             print(f"  decode, max_nodes={max_nodes}, {result['steps']} steps")
             print(f"    propose, drafted    {result['propose, drafted']}")
             print(f"    propose, no match   {result['propose, no match']}")
-            print(f"    extend              {result['extend']}")
+            print(f"    observe + extend    {result['observe + extend']}")
             print(
                 f"    tokens/step {result['tokens/step']:.2f}; 2nd half: expected accepted "
                 f"{result['expected (2nd half)']:.2f}, accepted {result['accepted (2nd half)']:.2f}"

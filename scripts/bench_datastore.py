@@ -27,10 +27,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from reader_spec.corpus import file_documents, file_sources, read_documents, tokenize_documents
-from reader_spec.datastore import Datastore
+from reader_spec.bench.spec_bench import default_suite
+from reader_spec.drafters.retrieval.corpus import (
+    file_documents,
+    file_sources,
+    read_documents,
+    tokenize_documents,
+)
+from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.loading import load_tokenizer
-from reader_spec.spec_bench import default_suite
 
 AGENTIC = Path("/work/shared/data/agentic")
 CHARS_PER_TOKEN = 3.6

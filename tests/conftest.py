@@ -9,7 +9,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-from reader_spec.attention import use_packed_attention
+from reader_spec.engine.attention import use_packed_attention
 from reader_spec.loading import LoadedModel, tokenizer_fingerprint
 
 TINY_VOCAB = 96
@@ -70,7 +70,7 @@ def pytest_terminal_summary(terminalreporter):
     """Show every tolerated near-tie mismatch of the end-to-end exactness tests, when they ran."""
     import sys
 
-    exactness = sys.modules.get("tests.test_exactness_default_model")
+    exactness = sys.modules.get("tests.engine.test_exactness_default_model")
     if exactness is None or not exactness.COMPARED:
         return
     terminalreporter.section("exactness near-ties")

@@ -1,11 +1,11 @@
 """reader-spec: lossless speculative decoding with retrieval drafts and tree verification."""
 
 from reader_spec.config import GenerationConfig
-from reader_spec.datastore import Datastore, DatastoreError
 from reader_spec.drafters import Drafter, PromptLookupDrafter, ReaderDrafter, SuffixDecodingDrafter
-from reader_spec.engine import Engine, Output, RequestStats
+from reader_spec.drafters.retrieval.datastore import Datastore, DatastoreError
+from reader_spec.engine.loop import Engine, Output, RequestStats
+from reader_spec.engine.tree import DraftTree, Proposal
 from reader_spec.loading import LoadedModel, ModelLoadError, load_model
-from reader_spec.tree import DraftTree, Proposal
 
 __all__ = [
     "Datastore",

@@ -32,7 +32,8 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
 )
 
-from reader_spec.attention import use_packed_attention
+from reader_spec.engine.attention import use_packed_attention
+from reader_spec.files import cache_root, file_sha256, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +85,8 @@ def default_gguf_path() -> Path:
 
 
 def weights_cache_dir() -> Path:
-    """Where de-quantized GGUF weights live; ``READER_SPEC_CACHE`` overrides the user cache directory."""
-    override = os.environ.get("READER_SPEC_CACHE")
-    if override:
-        return Path(override) / "models"
-    from platformdirs import user_cache_dir
-
-    return Path(user_cache_dir("reader-spec")) / "models"
+    """Where de-quantized GGUF weights live."""
+    return cache_root() / "models"
 
 
 def load_model(
@@ -264,15 +260,8 @@ def _file_digest(path: Path, memo: Path) -> str:
     except (OSError, ValueError, TypeError):  # missing or damaged memo: start afresh
         known = {}
     if key not in known:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        known[key] = digest.hexdigest()[:24]
-        fd, tmp = tempfile.mkstemp(dir=memo.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(known, f)
-        os.replace(tmp, memo)
+        known[key] = file_sha256(path)[:24]
+        write_atomic(memo, json.dumps(known))
     return str(known[key])
 
 

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import gzip
-import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, Protocol, TypeVar
 
 from reader_spec.config import SAMPLING_FIELDS
+from reader_spec.files import json_lines
 
 Message = Mapping[str, str]
 Prompt = str | Sequence[Message] | Sequence[int]
 REQUEST_SETTINGS = ("max_new_tokens", *SAMPLING_FIELDS)
+IdFilter = Literal["all", "odd", "even"]
+"""Which integer ids to keep: a datastore of the odd Spec-Bench questions is measured on the even ones."""
 
 
 class PromptError(ValueError):
@@ -79,17 +81,24 @@ def read_jsonl(path: str | Path) -> Iterator[InputRecord]:
         yield InputRecord(record.get("id", number), prompt, settings)
 
 
-def json_lines(path: str | Path, error: type[Exception]) -> Iterator[tuple[int, object]]:
-    """Each non-blank line of a JSONL file (gzipped when the name ends in .gz), parsed, with its number.
+class _HasId(Protocol):
+    @property
+    def id(self) -> object: ...
 
-    A line that is not JSON raises ``error`` naming the file and line, so every reader reports alike.
-    """
-    opener = gzip.open if Path(path).suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield number, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise error(f"{path}:{number}: not valid JSON ({e.msg})") from None
+
+T = TypeVar("T", bound=_HasId)
+
+
+def by_id_parity(items: Iterable[T], question_ids: IdFilter) -> list[T]:
+    """The items (questions, input records) whose integer ``id`` has the parity asked for."""
+    items = list(items)
+    if question_ids == "all":
+        return items
+    wanted = 1 if question_ids == "odd" else 0
+    kept = []
+    for item in items:
+        if not isinstance(item.id, int) or isinstance(item.id, bool):
+            raise PromptError(f"id {item.id!r} is not an integer, so it is neither odd nor even")
+        if item.id % 2 == wanted:
+            kept.append(item)
+    return kept

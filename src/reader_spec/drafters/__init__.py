@@ -1,9 +1,19 @@
 """Drafters: cheap proposers of continuations for the target model to verify."""
 
-from reader_spec.drafters.base import Drafter
-from reader_spec.drafters.history import ResponseHistory
+from reader_spec.drafters.base import Drafter, feed_back
 from reader_spec.drafters.pld import PromptLookupDrafter
 from reader_spec.drafters.reader import ReaderDrafter
+from reader_spec.drafters.registry import DRAFTERS, DrafterSpec
+from reader_spec.drafters.retrieval.history import ResponseHistory
 from reader_spec.drafters.suffix import SuffixDecodingDrafter
 
-__all__ = ["Drafter", "PromptLookupDrafter", "ReaderDrafter", "ResponseHistory", "SuffixDecodingDrafter"]
+__all__ = [
+    "DRAFTERS",
+    "Drafter",
+    "DrafterSpec",
+    "PromptLookupDrafter",
+    "ReaderDrafter",
+    "ResponseHistory",
+    "SuffixDecodingDrafter",
+    "feed_back",
+]

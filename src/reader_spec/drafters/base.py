@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Protocol, runtime_checkable
 
-from reader_spec.tree import Proposal
+from reader_spec.engine.tree import Proposal
 
 
 @runtime_checkable
@@ -34,3 +34,12 @@ class Drafter(Protocol):
 
     def end(self, request: Hashable) -> None:
         """Forget a finished request."""
+
+
+def feed_back(
+    drafter: Drafter, request: Hashable, proposal: Proposal, path: Sequence[int], emitted: Sequence[int]
+) -> None:
+    """Tell a drafter how verification went: the accepted tree ``path`` (tree nodes, root first, as
+    ``DraftTree.walk`` returns it) of ``proposal``, then the tokens the request emitted."""
+    drafter.observe(request, proposal, [node - 1 for node in path[1:]])
+    drafter.extend(request, emitted)

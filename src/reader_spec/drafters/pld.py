@@ -18,7 +18,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from reader_spec.tree import EMPTY_PROPOSAL, Proposal, chain_proposal
+from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal, chain_proposal
 
 SOURCE = "pld"
 
@@ -74,6 +74,10 @@ def prompt_lookup(text: np.ndarray, num_tokens: int, max_ngram: int, min_ngram: 
     return text[start : start + num_tokens]
 
 
+DEFAULT_NUM_TOKENS = 10
+"""transformers' default ``prompt_lookup_num_tokens``: the chain length prompt lookup drafts."""
+
+
 class PromptLookupDrafter:
     """Prompt lookup decoding as a ``Drafter``: one chain of up to ``num_tokens`` tokens per step.
 
@@ -81,7 +85,7 @@ class PromptLookupDrafter:
     match of one token or more); ``min_ngram=max_ngram=k`` gives vLLM's setting for ``k``.
     """
 
-    def __init__(self, num_tokens: int = 10, max_ngram: int = 2, min_ngram: int = 1) -> None:
+    def __init__(self, num_tokens: int = DEFAULT_NUM_TOKENS, max_ngram: int = 2, min_ngram: int = 1) -> None:
         if num_tokens < 1 or not 1 <= min_ngram <= max_ngram:
             raise ValueError("need num_tokens >= 1 and 1 <= min_ngram <= max_ngram")
         self.num_tokens = num_tokens

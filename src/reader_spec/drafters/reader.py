@@ -13,18 +13,17 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from reader_spec.datastore import Datastore
-from reader_spec.drafters.history import DEFAULT_MAX_TOKENS, ResponseHistory
-from reader_spec.drafters.search import (
-    AcceptanceCalibrator,
+from reader_spec.drafters.retrieval.calibration import AcceptanceCalibrator, calibration_trials
+from reader_spec.drafters.retrieval.datastore import Datastore
+from reader_spec.drafters.retrieval.history import DEFAULT_MAX_TOKENS, ResponseHistory
+from reader_spec.drafters.retrieval.ngram_index import NgramIndex
+from reader_spec.drafters.retrieval.tries import (
     SourceTrie,
-    SuffixIndex,
     build_continuation_trie,
-    calibration_trials,
     edge_shares,
     select_best_first,
 )
-from reader_spec.tree import EMPTY_PROPOSAL, Proposal
+from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
 
 
 class ContinuationSource(Protocol):
@@ -60,7 +59,7 @@ class _Pending:
 
 @dataclass
 class _Request:
-    index: SuffixIndex
+    index: NgramIndex
     prompt_length: int
     pending: _Pending | None = None
 
@@ -114,7 +113,7 @@ class ReaderDrafter:
         return names + (("datastore",) if self.datastore is not None else ())
 
     def begin(self, request: Hashable, prompt: Sequence[int]) -> None:
-        index = SuffixIndex(self.max_ngram)
+        index = NgramIndex(self.max_ngram)
         index.append(prompt)
         self._requests[request] = _Request(index, len(prompt))
 
@@ -134,7 +133,7 @@ class ReaderDrafter:
             state.pending = _Pending(proposal, shares)
         return proposal
 
-    def _source_tries(self, index: SuffixIndex, depth: int) -> list[SourceTrie]:
+    def _source_tries(self, index: NgramIndex, depth: int) -> list[SourceTrie]:
         tries = []
         if self.use_context:
             match = index.longest_match()

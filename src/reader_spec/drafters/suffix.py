@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reader_spec.tree import EMPTY_PROPOSAL, Proposal
+from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
 
 SOURCE = "suffix"
 

@@ -1,0 +1,357 @@
+"""Replay: how well drafters draft on recorded conversations, at scale, without running a model.
+
+Every assistant turn of a recorded conversation is one request. Its context is the chat template applied
+to the messages before it, with the generation prompt; its recorded continuation is what the template
+adds for the turn itself, up to and including the first end-of-sequence token (the trailing newline of
+SmolLM2's template comes after it and belongs to the next context). Context plus continuation is
+therefore exactly the tokenization of the conversation through that turn. Roles are passed to the
+template as recorded (SmolLM2's template renders any role, ``tool`` included, as ``<|im_start|>role``);
+messages after the last assistant turn never reach a context and are dropped.
+
+Each step a drafter proposes a tree under the budget; the recorded tokens stand in for the target
+model, so the step accepts the deepest path of the tree that follows them, plus one bonus token, just
+as a greedy verification pass whose model produced the recording would. Then come ``observe`` and
+``extend``, as in the engine. One drafter instance serves every turn of every task in order, so drafters
+with memory see earlier turns and tasks the way a server would.
+
+Tokenizing is slow (the template is applied to every prefix), so conversations are tokenized once per
+file and tokenizer and cached as numpy arrays, written atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from reader_spec.drafters import Drafter, feed_back
+from reader_spec.engine.sequence import DraftCounts
+from reader_spec.engine.tree import DraftTree, Proposal
+from reader_spec.files import json_lines, write_atomic
+
+METHODS = ("pld", "suffix", "reader")
+"""The drafters a replay compares by default (any name of ``DRAFTERS`` may be given)."""
+
+CACHE_FORMAT = 1
+
+
+class ReplayError(ValueError):
+    """A recording that cannot be replayed; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One tokenized task: ``tokens`` through its last assistant turn, and per turn (context end,
+    continuation end): the context is ``tokens[:a]`` and the recorded continuation ``tokens[a:b]``."""
+
+    id: str
+    tokens: np.ndarray
+    turns: tuple[tuple[int, int], ...]
+
+
+# --- reading and tokenizing ----------------------------------------------------------------------
+def read_tasks(path: str | Path) -> list[dict]:
+    """JSON lines (gzipped when the name ends in .gz), each a task with a ``messages`` list."""
+    tasks = []
+    for number, task in json_lines(path, ReplayError):
+        messages = task.get("messages") if isinstance(task, dict) else None
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise ReplayError(f"{path}:{number}: needs a 'messages' list of {{role, content}} strings")
+        task.setdefault("instance_id", str(task.get("id", number)))
+        tasks.append(task)
+    return tasks
+
+
+def tokenize_conversation(
+    tokenizer, messages: Sequence[Mapping[str, str]]
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """Token ids of the conversation through its last assistant turn, and each turn's (context end,
+    continuation end).
+
+    The template is rendered for every prefix to find where each context and turn ends in the text;
+    the pieces between those points are tokenized separately, and their concatenation must equal the
+    conversation tokenized whole (else the tokenizer merges tokens across turns and contexts would not
+    be what a server sees).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ReplayError("the tokenizer has no chat template")
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not assistant:
+        return [], []
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages[: assistant[-1] + 1]]
+
+    def render(upto: int, generation_prompt: bool) -> str:
+        try:
+            return tokenizer.apply_chat_template(
+                messages[:upto], add_generation_prompt=generation_prompt, tokenize=False
+            )
+        except Exception as e:  # jinja raises its own errors, e.g. for roles a template refuses
+            raise ReplayError(f"the chat template fails on this conversation: {e}") from e
+
+    full = render(len(messages), False)
+    cuts: list[int] = [0]
+    for i in assistant:
+        context, through = render(i, True), render(i + 1, False)
+        if not (through.startswith(context) and full.startswith(through)):
+            raise ReplayError("the chat template does not extend each prefix of the conversation")
+        cuts += [len(context), len(through)]
+    tokens: list[int] = []
+    boundaries: list[int] = []
+    for start, end in zip(cuts, [*cuts[1:], len(full)], strict=True):
+        tokens += tokenizer(full[start:end], add_special_tokens=False)["input_ids"]
+        boundaries.append(len(tokens))
+    if tokens != list(tokenizer(full, add_special_tokens=False)["input_ids"]):
+        raise ReplayError("the tokenizer merges tokens across turns; contexts would differ from a server's")
+    eos = tokenizer.eos_token_id
+    turns = []
+    for context_end, turn_end in zip(boundaries[0:-1:2], boundaries[1::2], strict=True):
+        turn = tokens[context_end:turn_end]
+        end = context_end + turn.index(eos) + 1 if eos in turn else turn_end
+        if end > context_end:
+            turns.append((context_end, end))
+    return tokens, turns
+
+
+def load_conversations(
+    path: str | Path, tokenizer, fingerprint: str, cache_dir: Path | None = None
+) -> list[Conversation]:
+    """Every task of a recording, tokenized, from the cache when this file and tokenizer were seen."""
+    path = Path(path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    key = json.dumps([CACHE_FORMAT, digest, fingerprint, tokenizer.chat_template, tokenizer.eos_token_id])
+    cache = None
+    if cache_dir is not None:
+        cache = Path(cache_dir) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.npz"
+        if cache.is_file():
+            return _read_cache(cache)
+    conversations = []
+    for task in tqdm(read_tasks(path), desc="tokenizing", unit="task", file=sys.stderr, leave=False):
+        tokens, turns = tokenize_conversation(tokenizer, task["messages"])
+        conversations.append(
+            Conversation(str(task["instance_id"]), np.asarray(tokens, np.int32), tuple(turns))
+        )
+    if cache is not None:
+        _write_cache(cache, conversations)
+    return conversations
+
+
+def _write_cache(path: Path, conversations: Sequence[Conversation]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lengths = [len(c.tokens) for c in conversations]
+    turns = [(i, a, b) for i, c in enumerate(conversations) for a, b in c.turns]
+    buffer = io.BytesIO()
+    np.savez(
+        buffer,
+        tokens=np.concatenate([c.tokens for c in conversations] or [np.empty(0, np.int32)]),
+        offsets=np.cumsum([0, *lengths]),
+        turns=np.asarray(turns, dtype=np.int64).reshape(-1, 3),
+        ids=np.asarray([c.id for c in conversations], dtype=str),
+    )
+    write_atomic(path, buffer.getvalue())
+
+
+def _read_cache(path: Path) -> list[Conversation]:
+    with np.load(path) as data:
+        tokens, offsets, turns, ids = data["tokens"], data["offsets"], data["turns"], data["ids"]
+    by_task: dict[int, list[tuple[int, int]]] = {}
+    for task, a, b in turns.tolist():
+        by_task.setdefault(task, []).append((a, b))
+    return [
+        Conversation(str(ids[i]), tokens[offsets[i] : offsets[i + 1]], tuple(by_task.get(i, ())))
+        for i in range(len(ids))
+    ]
+
+
+# --- replaying -----------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class MethodStats(DraftCounts):
+    """Totals of one drafter over a replay (``new_tokens``: every recorded continuation token)."""
+
+    method: str
+    tasks: int = 0
+    turns: int = 0
+    seconds: float = 0.0
+    drafter_seconds: float = 0.0
+
+    def add(self, other: MethodStats) -> None:
+        for name in ("turns", "steps", "new_tokens", "accepted", "drafted", "seconds", "drafter_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def as_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "mean_accepted": self.mean_accepted,
+            "drafted_per_accepted": self.drafted_per_accepted,
+        }
+
+
+@dataclass(frozen=True)
+class ReplayedStep:
+    """One step of a drafter against a recording: what it proposed, kept and emitted, and its time."""
+
+    proposal: Proposal
+    accepted: int
+    emitted: list[int]
+    propose_seconds: float
+    feedback_seconds: float
+
+
+def replay_step(
+    drafter: Drafter, request: Hashable, root: int, recording: Sequence[int], max_nodes: int
+) -> ReplayedStep:
+    """Propose, verify against the recorded continuation (as a greedy pass of the model that produced
+    it would), and feed the outcome back: the engine's step with the recording as the target model."""
+    clock = time.perf_counter()
+    proposal = drafter.propose(request, max_nodes).truncated(max_nodes)
+    propose_seconds = time.perf_counter() - clock
+    tree = DraftTree.from_proposal(root, proposal)
+    path, _ = tree.walk(_recorded(recording, tree.depths))
+    accepted = len(path) - 1
+    emitted = list(recording[: accepted + 1])  # accepted drafts plus the bonus token
+    clock = time.perf_counter()
+    feed_back(drafter, request, proposal, path, emitted)
+    return ReplayedStep(proposal, accepted, emitted, propose_seconds, time.perf_counter() - clock)
+
+
+def replay_turn(
+    drafter: Drafter, request: Hashable, context: Sequence[int], continuation: Sequence[int], budget: int
+) -> MethodStats:
+    """Replay one recorded continuation through a drafter, as the engine would run it greedily."""
+    stats = MethodStats(method="", turns=1)
+    started = time.perf_counter()
+    drafter.begin(request, context)
+    in_drafter = time.perf_counter() - started
+    position = 0
+    root = context[-1] if len(context) else -1
+    while position < len(continuation):
+        step = replay_step(drafter, request, root, continuation[position:], budget)
+        in_drafter += step.propose_seconds + step.feedback_seconds
+        stats.steps += 1
+        stats.new_tokens += len(step.emitted)
+        stats.accepted += min(step.accepted, len(step.emitted))
+        stats.drafted += len(step.proposal)
+        position += len(step.emitted)
+        root = step.emitted[-1]
+    clock = time.perf_counter()
+    drafter.end(request)
+    stats.drafter_seconds = in_drafter + time.perf_counter() - clock
+    stats.seconds = time.perf_counter() - started
+    return stats
+
+
+def _recorded(recording: Sequence[int], depths: Sequence[int]) -> Callable[[int], int]:
+    """The replay's target model: the recorded token after each tree node, -1 past the recording."""
+    end = len(recording)
+    return lambda node: recording[depths[node]] if depths[node] < end else -1
+
+
+@dataclass
+class ReplayReport:
+    settings: dict
+    environment: dict
+    methods: dict[str, MethodStats] = field(default_factory=dict)
+    tasks: list[dict] = field(default_factory=list)
+    """Per task: its id and, per method, its totals."""
+
+    def markdown(self) -> str:
+        s = self.settings
+        source = f" of {s['file']}" if "file" in s else ""
+        lines = [
+            f"Replay{source} ({s['tasks']} tasks, {s['turns']} turns, {s['tokens']} recorded tokens), "
+            f"budget {s['budget']} nodes per step, {s['seconds']:.0f} s in all.",
+            "",
+            "| method | tokens/step | drafted/accepted | steps | accepted | drafted | seconds | drafter s | "
+            "drafter ms/step |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for m in self.methods.values():
+            per_step = 1000 * m.drafter_seconds / m.steps if m.steps else 0.0
+            ratio = "-" if m.drafted_per_accepted is None else f"{m.drafted_per_accepted:.2f}"
+            lines.append(
+                f"| {m.method} | {m.mean_accepted:.2f} | {ratio} | {m.steps} | "
+                f"{m.accepted} | {m.drafted} | {m.seconds:.1f} | {m.drafter_seconds:.1f} | {per_step:.3f} |"
+            )
+        lines += [
+            "",
+            "tokens/step: mean tokens emitted per verification step, accepted drafts plus the bonus token "
+            "(plain decoding: 1.00). drafted/accepted: draft tokens verified per accepted draft token.",
+        ]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {
+            "settings": self.settings,
+            "environment": self.environment,
+            "methods": {name: s.as_dict() for name, s in self.methods.items()},
+            "tasks": self.tasks,
+        }
+
+    def save(self, directory: Path) -> None:
+        """``replay.json`` and ``replay.md`` in ``directory``, each written atomically."""
+        directory.mkdir(parents=True, exist_ok=True)
+        write_atomic(directory / "replay.json", json.dumps(self.as_dict(), indent=1))
+        write_atomic(directory / "replay.md", self.markdown() + "\n")
+
+
+def run_replay(
+    conversations: Sequence[Conversation],
+    drafters: Mapping[str, Drafter],
+    budget: int,
+    *,
+    settings: Mapping[str, object] | None = None,
+    progress: bool = True,
+) -> ReplayReport:
+    """Replay every turn of every conversation through each drafter, turn by turn with the drafters
+    interleaved, each drafter keeping its state across turns and tasks."""
+    if budget < 1:
+        raise ValueError(f"budget must be at least 1, got {budget}")
+    started = time.perf_counter()
+    totals = {name: MethodStats(method=name) for name in drafters}
+    report = ReplayReport(
+        settings={
+            **(settings or {}),
+            "budget": budget,
+            "tasks": len(conversations),
+            "turns": sum(len(c.turns) for c in conversations),
+            "tokens": sum(b - a for c in conversations for a, b in c.turns),
+        },
+        environment={
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+        },
+        methods=totals,
+    )
+    with tqdm(
+        total=report.settings["turns"], desc="replay", unit="turn", file=sys.stderr, disable=not progress
+    ) as bar:
+        for task_index, conversation in enumerate(conversations):
+            tokens = conversation.tokens.tolist()
+            task_totals = {name: MethodStats(method=name, tasks=1) for name in drafters}
+            for turn_index, (context_end, end) in enumerate(conversation.turns):
+                context, continuation = tokens[:context_end], tokens[context_end:end]
+                for name, drafter in drafters.items():
+                    turn = replay_turn(drafter, (task_index, turn_index), context, continuation, budget)
+                    task_totals[name].add(turn)
+                bar.update()
+            for name, stats in task_totals.items():
+                totals[name].add(stats)
+                totals[name].tasks += 1
+            report.tasks.append({"id": conversation.id, **{n: s.as_dict() for n, s in task_totals.items()}})
+            bar.set_postfix_str(" ".join(f"{n} {s.mean_accepted:.2f}" for n, s in totals.items()))
+    report.settings["seconds"] = time.perf_counter() - started
+    return report

@@ -1,0 +1,371 @@
+"""Side-by-side measurement of decoding methods on Spec-Bench-style prompts (``reader bench``).
+
+Every method runs in one process on the same loaded model, after one warm-up each. At batch 1 the
+methods are interleaved prompt by prompt, so machine drift hits all of them alike. A question's later
+turns carry ``ar``'s earlier answers, so every method decodes exactly the same prompts and outputs
+compare token for token. Batch runs decode every prompt (second turns included, categories
+interleaved) at each batch size above 1, with every method that can batch. Methods are reset before
+every timed pass (each repeat, each batch size), so that a source that learns across requests (the
+response history) has seen the earlier requests of its pass, never the answers it is being timed on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import gc
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from reader_spec.bench.methods import METHODS, BenchSetup, Generation, Method, method_names
+from reader_spec.bench.results import REFERENCE, BatchResult, PromptResult, markdown, summarize
+from reader_spec.bench.spec_bench import Question, interleave_categories
+from reader_spec.config import SAMPLING_FIELDS, GenerationConfig
+from reader_spec.drafters.retrieval.datastore import Datastore
+from reader_spec.engine.loop import DEFAULT_BUDGET
+from reader_spec.files import write_atomic
+from reader_spec.loading import LoadedModel
+from reader_spec.prompts import encode_prompt
+
+Answers = dict[Question, list[str]]
+
+
+@dataclass
+class BenchReport:
+    environment: dict
+    settings: dict
+    prompts: list[PromptResult] = field(default_factory=list)
+    batches: list[BatchResult] = field(default_factory=list)
+
+    def markdown(self) -> str:
+        return markdown(self.environment, self.settings, self.prompts, self.batches)
+
+    def save(self, directory: Path) -> list[Path]:
+        """``results.json``, ``results.md`` and the plots, each written atomically; returns their paths."""
+        from reader_spec.bench.plots import render_plots
+
+        directory.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "environment": self.environment,
+            "settings": self.settings,
+            "summary": [vars(s) for s in summarize(self.prompts)],
+            "prompts": [r.as_dict() for r in self.prompts],
+            "batches": [b.as_dict() for b in self.batches],
+        }
+        files = {
+            "results.json": json.dumps(payload, indent=1).encode(),
+            "results.md": (self.markdown() + "\n").encode(),
+            **render_plots(self.prompts, self.batches, self.settings),
+        }
+        for name, data in files.items():
+            write_atomic(directory / name, data)
+        return [directory / name for name in files]
+
+
+def run_bench(
+    loaded: LoadedModel,
+    questions: Sequence[Question],
+    methods: Sequence[str] | None = None,
+    *,
+    max_new_tokens: int = 128,
+    repeats: int = 1,
+    batch_sizes: Sequence[int] = (1,),
+    budget: int = DEFAULT_BUDGET,
+    draft: LoadedModel | None = None,
+    datastore: Datastore | None = None,
+    sampling: GenerationConfig | None = None,
+) -> BenchReport:
+    """Measure ``methods`` (default: all that need no missing draft model) on ``questions``.
+
+    ``sampling`` sets how engine methods choose tokens (greedy by default; give a seed, so that every
+    method draws the same randomness and outputs stay comparable token for token).
+    """
+    names = method_names(methods, draft is not None)
+    if repeats < 1 or not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError("repeats and batch sizes must be positive")
+    larger = sorted({b for b in batch_sizes if b > 1})
+    sampling = sampling or GenerationConfig()
+    if not sampling.greedy and sampling.seed is None:
+        raise ValueError("sampled benchmarks need a seed, so that every method draws alike")
+    setup = BenchSetup(loaded, budget, draft, datastore, sampling)
+    built = {name: METHODS[name].build(setup) for name in names}
+    for method in built.values():
+        method.warm_up(max(larger, default=1) if method.can_batch else 1)
+    prompt_count = sum(len(q.turns) for q in questions)
+    peaks_per_run = _reset_peak_rss()
+    report = BenchReport(
+        environment=environment(loaded, draft),
+        settings={
+            "methods": names,
+            "max_new_tokens": max_new_tokens,
+            "repeats": repeats,
+            "batch_sizes": sorted(set(batch_sizes)),
+            "batch_1_only": [n for n, m in built.items() if not m.can_batch],
+            "speculative": [n for n, m in built.items() if m.speculative],
+            "budget": budget,
+            "sampling": {k: getattr(sampling, k) for k in SAMPLING_FIELDS},
+            "datastore": str(datastore.path) if datastore is not None else None,
+            "categories": sorted({q.category for q in questions}),
+            "questions": [q.id for q in questions],
+            "prompts": prompt_count,
+            "later_turns": f"carry {REFERENCE}'s earlier answers",
+            "peak_rss": "per run" if peaks_per_run else "process lifetime",
+        },
+    )
+    batchable = [n for n, m in built.items() if m.can_batch]
+    total = prompt_count * repeats * (len(names) * (1 in batch_sizes) + len(batchable) * len(larger))
+    answers: Answers = {}
+    with tqdm(total=total, desc="reader bench", unit="request", file=sys.stderr) as bar:
+        if 1 in batch_sizes:
+            report.prompts = _batch_one(
+                built, loaded.tokenizer, questions, max_new_tokens, repeats, bar, answers
+            )
+        if larger:
+            _fill_answers(built[REFERENCE], loaded.tokenizer, questions, max_new_tokens, answers)
+            order = interleave_categories(list(questions))
+            prompts = [
+                encode_prompt(loaded.tokenizer, turn_messages(q, t, answers.get(q, [])))
+                for q in order
+                for t in range(len(q.turns))
+            ]
+            for size in larger:
+                report.batches += _batched(built, batchable, prompts, size, max_new_tokens, repeats, bar)
+    return report
+
+
+def turn_messages(question: Question, turn: int, answers: Sequence[str]) -> list[dict[str, str]]:
+    """Turn ``turn`` of a question as chat messages, each earlier turn followed by its answer."""
+    messages = []
+    for earlier in range(turn):
+        messages += [
+            {"role": "user", "content": question.turns[earlier]},
+            {"role": "assistant", "content": answers[earlier]},
+        ]
+    return [*messages, {"role": "user", "content": question.turns[turn]}]
+
+
+def _batch_one(
+    built: dict[str, Method],
+    tokenizer: PreTrainedTokenizerBase,
+    questions: Sequence[Question],
+    max_new_tokens: int,
+    repeats: int,
+    bar: tqdm,
+    answers: Answers,
+) -> list[PromptResult]:
+    """Every turn of every question through every method in turn; fills ``answers`` with ``ar``'s.
+
+    Each repeat is a whole pass from reset methods, so that history sources have seen the same
+    earlier requests in every repeat, and never the request itself."""
+    runs: dict[tuple[Question, int, str], list[Run]] = {}
+    prompts: dict[tuple[Question, int], list[int]] = {}
+    for _ in range(repeats):
+        for method in built.values():
+            method.reset()
+        for question in questions:
+            for turn in range(len(question.turns)):
+                if (question, turn) not in prompts:
+                    messages = turn_messages(question, turn, answers.get(question, []))
+                    prompts[question, turn] = encode_prompt(tokenizer, messages)
+                for name, method in built.items():
+                    run = _run(method, [prompts[question, turn]], max_new_tokens, 1, bar)
+                    runs.setdefault((question, turn, name), []).append(run)
+                if len(answers.setdefault(question, [])) == turn:
+                    reference = runs[question, turn, REFERENCE][0].outputs[0].tokens
+                    answers[question].append(tokenizer.decode(reference, skip_special_tokens=True))
+    results = []
+    for (question, turn, name), method_runs in runs.items():
+        run = _median(method_runs)
+        reference = runs[question, turn, REFERENCE][0].outputs[0].tokens
+        prompt = prompts[question, turn]
+        results.append(
+            _prompt_result(question, turn, name, prompt, run.outputs[0], run.seconds, run.peak, reference)
+        )
+    return results
+
+
+def _fill_answers(
+    ar: Method,
+    tokenizer: PreTrainedTokenizerBase,
+    questions: Sequence[Question],
+    max_new_tokens: int,
+    answers: Answers,
+) -> None:
+    """``ar``'s answers to earlier turns where batch 1 did not run, outside any timing."""
+    for question in questions:
+        while len(answers.setdefault(question, [])) < len(question.turns) - 1:
+            turn = len(answers[question])
+            prompt = encode_prompt(tokenizer, turn_messages(question, turn, answers[question]))
+            (output,) = ar.generate([prompt], max_new_tokens, 1, lambda: None)
+            answers[question].append(tokenizer.decode(output.tokens, skip_special_tokens=True))
+
+
+def _batched(
+    built: dict[str, Method],
+    batchable: list[str],
+    prompts: list[list[int]],
+    size: int,
+    max_new_tokens: int,
+    repeats: int,
+    bar: tqdm,
+) -> list[BatchResult]:
+    results = []
+    reference: list[list[int]] = []
+    for name in batchable:
+        runs = []
+        for _ in range(repeats):
+            built[name].reset()
+            runs.append(_run(built[name], prompts, max_new_tokens, size, bar))
+        run = _median(runs)
+        outputs, seconds, peak = run.outputs, run.seconds, run.peak
+        tokens = [o.tokens for o in outputs]
+        reference = tokens if name == REFERENCE else reference
+        results.append(
+            BatchResult(
+                method=name,
+                batch_size=size,
+                seconds=seconds,
+                requests=len(outputs),
+                new_tokens=sum(len(t) for t in tokens),
+                steps=sum(len(o.accept_lengths) for o in outputs),
+                step_tokens=sum(sum(o.accept_lengths) for o in outputs),
+                drafted=sum(o.drafted for o in outputs),
+                identical=sum(a == b for a, b in zip(tokens, reference, strict=True)),
+                peak_rss_mib=peak,
+            )
+        )
+    return results
+
+
+@dataclass
+class Run:
+    outputs: list[Generation]
+    seconds: float
+    peak: float
+    """Peak resident memory in MiB."""
+
+
+def _run(method: Method, prompts: list[list[int]], max_new_tokens: int, batch_size: int, bar: tqdm) -> Run:
+    _reset_peak_rss()
+    start = time.perf_counter()
+    outputs = method.generate(prompts, max_new_tokens, batch_size, bar.update)
+    seconds = time.perf_counter() - start
+    return Run(outputs, seconds, _peak_rss_mib())
+
+
+def _median(runs: list[Run]) -> Run:
+    """The outputs and seconds of the median-time run, with the peak memory of all runs."""
+    median = sorted(runs, key=lambda run: run.seconds)[len(runs) // 2]
+    return Run(median.outputs, median.seconds, max(run.peak for run in runs))
+
+
+def _prompt_result(
+    question: Question,
+    turn: int,
+    method: str,
+    prompt: list[int],
+    output: Generation,
+    seconds: float,
+    peak: float,
+    reference: list[int],
+) -> PromptResult:
+    return PromptResult(
+        question=question.id,
+        category=question.category,
+        turn=turn,
+        method=method,
+        seconds=seconds,
+        prompt_tokens=len(prompt),
+        new_tokens=len(output.tokens),
+        accept_lengths=output.accept_lengths,
+        drafted=output.drafted,
+        draft_seconds=output.draft_seconds,
+        verify_seconds=output.verify_seconds,
+        identical=output.tokens == reference,
+        peak_rss_mib=peak,
+        accepted_by_source=output.accepted_by_source,
+    )
+
+
+def _reset_peak_rss() -> bool:
+    """Restart the kernel's resident-set high-water mark (Linux), so that a peak belongs to one run.
+
+    Memory an earlier run freed stays resident inside the allocator unless handed back first."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+def _peak_rss_mib() -> float:
+    """The process's resident-set high-water mark since the last reset, else over its lifetime."""
+    try:
+        found = re.search(r"^VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+    except OSError:
+        found = None
+    if found:
+        return int(found.group(1)) / 1024
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB elsewhere
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+def environment(loaded: LoadedModel, draft: LoadedModel | None = None) -> dict:
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "model": loaded.name,
+        "draft_model": draft.name if draft is not None else None,
+        "dtype": str(loaded.model.dtype),
+        "commit": _git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> str:
+    """The source checkout's commit, ``-dirty`` when it has changes; empty outside a checkout."""
+    try:
+        result = subprocess.run(
+            ["git", "describe", "--always", "--dirty", "--abbrev=12"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError:
+        return ""
+    return result.stdout.strip() if result.returncode == 0 else ""

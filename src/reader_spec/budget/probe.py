@@ -1,0 +1,72 @@
+"""Measuring what verification passes cost on this machine, for the cost model to price steps with.
+
+A curve's points are timed in interleaved rounds, keeping each point's fastest round: load from other
+processes only ever adds time, comes in bursts on shared cores, and would otherwise bend the curve.
+Probe inputs come from a private random generator, so that calibrating never moves the caller's
+global random state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from reader_spec.engine.runner import ModelRunner, synchronizer, text_config
+from reader_spec.engine.tree import DraftTree
+
+PROBE_SEED = 0
+PROBE_ROUNDS = 9
+
+
+def probe_verify(
+    model: PreTrainedModel, batch: int, drafted: Sequence[int], context: int
+) -> dict[int, float]:
+    """Seconds of a packed verification pass of ``batch`` chains holding each total of draft tokens
+    (spread evenly), after ``context`` tokens in every row."""
+    most = max(drafted)
+    probe = ModelRunner(model, batch, context + most // batch + 2)
+    generator = torch.Generator().manual_seed(PROBE_SEED)
+    vocab = text_config(model.config).vocab_size
+    tokens = torch.randint(0, vocab, (context,), generator=generator).tolist()
+    probe.prefill(0, tokens)
+    for row in range(1, batch):
+        probe.cache.copy_row(0, row)
+
+    def chain(width: int) -> DraftTree:
+        return DraftTree([tokens[i % context] for i in range(width)], list(range(-1, width - 1)))
+
+    def verify(total: int) -> Callable[[], object]:
+        trees = [chain(1 + total // batch + (row < total % batch)) for row in range(batch)]
+        rows = list(range(batch))
+        return lambda: probe.verify(trees, rows)
+
+    calls = {total: verify(total) for total in drafted}
+    return time_interleaved(calls, synchronize=synchronizer(model.device))
+
+
+def time_interleaved(
+    calls: dict[int, Callable[[], object]],
+    rounds: int = PROBE_ROUNDS,
+    synchronize: Callable[[], None] = lambda: None,
+) -> dict[int, float]:
+    """Fastest wall time of each call over ``rounds`` after a warm-up round.
+
+    Load from other processes only ever adds time, and on shared cores it comes in bursts that can
+    cover half the rounds of one width (a burst during a median-based probe once priced 16 tokens at
+    1.29 plain steps instead of 1.97); the minimum is the pass's own cost. Rounds alternate their
+    order, so that slow drift hits every call alike. ``synchronize`` waits for an accelerator's queued
+    work, so that each time is the call's own.
+    """
+    keys = list(calls)
+    times: dict[int, list[float]] = {key: [] for key in keys}
+    for round_ in range(rounds + 1):
+        for key in keys if round_ % 2 else reversed(keys):
+            start = time.perf_counter()
+            calls[key]()
+            synchronize()
+            if round_:
+                times[key].append(time.perf_counter() - start)
+    return {key: min(samples) for key, samples in times.items()}

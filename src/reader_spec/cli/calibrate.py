@@ -1,0 +1,60 @@
+"""``reader calibrate``: measure what verification passes cost on this machine, and print the curves.
+
+The adaptive budget prices every step with these curves. ``reader generate`` and ``reader bench``
+measure missing curves themselves before decoding (and say so); this command does it on purpose, for
+the batch sizes a later run or a server will use, and shows what the budget will work with.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from reader_spec.budget.costs import LONG_CONTEXT, PROBE_CONTEXT, probed_batches
+from reader_spec.cli.common import add_model_option
+from reader_spec.drafters import ReaderDrafter
+from reader_spec.engine.loop import DEFAULT_BUDGET, Engine
+from reader_spec.loading import load_model
+
+SHOWN_DRAFTS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def add_parser(commands) -> None:
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="measure verification costs on this machine and print them",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+    )
+    add_model_option(calibrate)
+    calibrate.add_argument(
+        "--batch-size", type=int, default=1, help="largest batch size to measure for (default 1)"
+    )
+    calibrate.add_argument(
+        "--budget",
+        type=int,
+        default=DEFAULT_BUDGET,
+        help=f"most draft tokens per sequence and step the curves must reach ({DEFAULT_BUDGET})",
+    )
+    calibrate.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.batch_size < 1 or args.budget < 1:
+        raise ValueError("--batch-size and --budget must be positive")
+    loaded = load_model(args.model)
+    engine = Engine(loaded, ReaderDrafter(), budget=args.budget)
+    engine.calibrate(args.batch_size)
+    costs = engine.costs
+    print(f"verification costs of {loaded.name} ({loaded.model.dtype}), cached in {costs.path}")
+    print(f"milliseconds per pass at {PROBE_CONTEXT} tokens of context, by draft tokens of the whole batch;")
+    print("in brackets, relative to the pass without drafts; last column: ms per context token x 1,000")
+    for batch in probed_batches(args.batch_size):
+        most = batch * args.budget
+        plain = costs.seconds(batch, 0)
+        cells = [
+            f"{d}: {1e3 * costs.seconds(batch, d):.1f} ({costs.seconds(batch, d) / plain:.2f})"
+            for d in SHOWN_DRAFTS
+            if d <= most
+        ]
+        per_token = (costs.seconds(batch, 0, LONG_CONTEXT) - plain) / (LONG_CONTEXT - PROBE_CONTEXT)
+        print(f"batch {batch:>3}: {'  '.join(cells)}  | context {1e6 * per_token:.2f}")
+    return 0

@@ -1,0 +1,223 @@
+"""Attention for packed verification passes, plugged into the models' own forward.
+
+A verification pass packs every sequence's draft tree into one row of tokens (``[1, total]``), so
+its matrix products cost what the batch's total tree tokens cost, not ``batch x widest tree``.
+Attention is the one operation that must see the batch again: each sequence attends to its own row
+of the KV cache. :func:`packed` wraps an attention function so that, when the runner passes a
+:class:`PackedLayout`, it splits the query into groups of sequences in consecutive cache rows and
+attends each group against those rows only (views, no cache copy), padding a group's trees to its
+widest where that costs less than another attention call. The wrappers are registered with
+transformers' ``AttentionInterface`` and chosen by :func:`use_packed_attention`, so no modeling code
+changes.
+
+The inner function for ``sdpa`` models also fixes a CPU cost: transformers' ``sdpa`` repeats every
+key/value head for each query head it serves (``repeat_kv``) whenever more than one token is queried
+under a mask, which copies the whole cache each layer (with the default model, batch 8, 1,024 tokens
+of context, a 2-token pass took 199 ms against 99 ms for one token). PyTorch's kernel reads shared
+heads directly (``enable_gqa``). Everything else (one query token, no mask, GPUs, position biases,
+soft-capping) goes to ``sdpa`` itself.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+
+PACKED_SDPA = "reader_packed_sdpa"
+PACKED_EAGER = "reader_packed_eager"
+
+AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+ATTENTION_CALL_COST = 1024
+"""Fixed cost of one attention call, in query-key pairs: what splitting a batch into groups costs.
+
+A call's overhead is the time of about this many query-key pairs on a CPU (``docs/architecture.md``);
+groups are merged with padding while that costs less than a call.
+"""
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Sequences in consecutive cache rows that attend as one batch, their trees padded to ``width``.
+
+    ``first`` is the group's first tree in the pass, ``first_row`` its first cache row counted from the
+    pass's first row. ``padding`` holds, for unequal trees, the (tree in group, offset) of each token;
+    ``None`` when every tree of the group is ``width`` long and the tokens simply reshape.
+    """
+
+    first: int
+    first_row: int
+    count: int
+    width: int
+    kv_length: int
+    tokens: int
+    padding: tuple[torch.Tensor, torch.Tensor] | None
+
+
+@dataclass
+class PackedLayout:
+    """Where a packed pass's tokens go: each group's trees back to back, groups in row order.
+
+    ``calls`` counts the attention layers that honoured the layout.
+    """
+
+    groups: list[AttentionGroup]
+    calls: int = 0
+
+
+def pack(
+    widths: list[int], lengths: list[int], rows: list[int], call_cost: int = ATTENTION_CALL_COST
+) -> PackedLayout:
+    """Split the trees (in ascending cache ``rows``) into groups minimising ``calls x call_cost +
+    query-key pairs``; a group's rows are consecutive, so that it attends over a view of the cache.
+
+    A group of ``count`` trees attends as ``count x width x (longest context + width)`` pairs: its
+    trees padded to the widest, its contexts to the longest (a masked key still costs its pair). A
+    long prompt among short ones therefore gets its own call, as does a deep tree among lone roots.
+    Exact dynamic programme over the trees.
+    """
+    best = [0.0] + [math.inf] * len(widths)  # best[i]: cheapest split of the first i trees
+    split = [0] * (len(widths) + 1)  # split[i]: where the last group of that split starts
+    for i in range(1, len(widths) + 1):
+        width = longest = 0
+        for j in range(i - 1, -1, -1):  # the last group is trees j..i-1
+            if j < i - 1 and rows[j] + 1 != rows[j + 1]:
+                break  # a free row between them: no view covers both
+            width, longest = max(width, widths[j]), max(longest, lengths[j])
+            cost = best[j] + call_cost + (i - j) * width * (longest + width)
+            if cost <= best[i]:  # ties: the larger group, fewer calls
+                best[i], split[i] = cost, j
+    groups = []
+    i = len(widths)
+    while i:
+        groups.append(_group(widths, lengths, split[i], i, rows[split[i]] - rows[0]))
+        i = split[i]
+    return PackedLayout(groups[::-1])
+
+
+def _group(widths: list[int], lengths: list[int], first: int, end: int, first_row: int) -> AttentionGroup:
+    own = widths[first:end]
+    width = max(own)
+    kv_length = max(lengths[first:end]) + width
+    padding = None
+    if min(own) != width:
+        rows = torch.tensor([row for row, n in enumerate(own) for _ in range(n)])
+        offsets = torch.tensor([offset for n in own for offset in range(n)])
+        padding = (rows, offsets)
+    return AttentionGroup(first, first_row, end - first, width, kv_length, sum(own), padding)
+
+
+def packed(inner: AttentionFunction) -> AttentionFunction:
+    """``inner`` made to honour a ``packed_layout`` keyword; without one it is called unchanged."""
+
+    def attention(module, query, key, value, attention_mask, *args, packed_layout=None, **kwargs):
+        if packed_layout is None:
+            return inner(module, query, key, value, attention_mask, *args, **kwargs)
+        packed_layout.calls += 1
+        heads, dim = query.shape[1], query.shape[3]
+        output = query.new_empty(query.shape[2], heads, value.shape[-1])
+        start = 0
+        for group in packed_layout.groups:
+            end = start + group.tokens
+            trees = slice(group.first, group.first + group.count)
+            rows = slice(group.first_row, group.first_row + group.count)
+            tokens = query[0, :, start:end]
+            if group.padding is None:
+                group_query = tokens.unflatten(1, (group.count, group.width)).transpose(0, 1)
+            else:
+                group_query = query.new_zeros(group.count, heads, group.width, dim)
+                group_query[group.padding[0], :, group.padding[1]] = tokens.transpose(0, 1)
+            group_mask = None
+            if attention_mask is not None:
+                group_mask = attention_mask[trees, :, : group.width, : group.kv_length]
+            group_output, _ = inner(
+                module,
+                group_query,
+                key[rows, :, : group.kv_length],
+                value[rows, :, : group.kv_length],
+                group_mask,
+                *args,
+                **kwargs,
+            )
+            if group.padding is None:
+                output[start:end] = group_output.flatten(0, 1)
+            else:
+                output[start:end] = group_output[group.padding]
+            start = end
+        return output[None], None
+
+    return attention
+
+
+def grouped_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' ``sdpa``, but masked multi-token queries on CPU read grouped heads in place."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    plain = (
+        groups == 1
+        or query.shape[2] == 1
+        or attention_mask is None
+        or query.device.type != "cpu"
+        or any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux", "sinks"))
+    )
+    if plain:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=True,
+    )
+    return output.transpose(1, 2).contiguous(), None
+
+
+def model_eager_attention(module: torch.nn.Module, *args, **kwargs):
+    """The eager attention of the module's own modeling file (what ``eager`` would have run)."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise RuntimeError(
+            f"{type(module).__name__} has no eager_attention_forward to run packed passes with"
+        )
+    return eager(module, *args, **kwargs)
+
+
+AttentionInterface.register(PACKED_SDPA, packed(grouped_sdpa_attention))
+AttentionInterface.register(PACKED_EAGER, packed(model_eager_attention))
+ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_SDPA, sdpa_mask)
+ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_EAGER, eager_mask)
+
+_PACKED_VERSIONS = {"sdpa": PACKED_SDPA, "eager": PACKED_EAGER}
+
+
+def use_packed_attention(model: PreTrainedModel) -> bool:
+    """Switch an ``sdpa`` or ``eager`` model to its packed version (same results outside packed
+    passes); returns whether the model can now run packed passes.
+
+    Other implementations (flash attention, flex) are left alone; such models verify one sequence
+    per pass (see :class:`reader_spec.engine.runner.ModelRunner`).
+    """
+    implementation = _PACKED_VERSIONS.get(model.config._attn_implementation)
+    if implementation is not None:
+        model.set_attn_implementation(implementation)
+    return model.config._attn_implementation in _PACKED_VERSIONS.values()

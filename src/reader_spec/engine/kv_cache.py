@@ -1,0 +1,161 @@
+"""A KV cache where every sequence of a batch keeps its own length.
+
+Each sequence of a batch owns a preallocated row ``[heads, capacity, head_dim]`` per layer, for as
+long as it decodes: a finished sequence frees its row for the next one, and nothing else moves. A
+forward pass is packed: its tokens are the rows' trees back to back (``[1, total]``), and the cache
+writes token ``t`` of row ``r``'s tree at ``length[r] + t`` of that row, then returns a view of the
+buffers over the rows of the pass, so nothing is concatenated or copied per step. After
+verification, :meth:`RaggedKVCache.commit` moves the accepted tree nodes next to the context (a
+gather of a few entries per layer) and advances the length: rejected drafts leave neither holes
+nor padding behind, and the per-step cost is proportional to the tree, never to the context.
+
+The class plugs into ``transformers`` as a :class:`transformers.Cache`, so models run their own
+attention code unchanged; the engine supplies the 4D mask that hides other rows' padding.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class _RaggedLayer(CacheLayerMixin):
+    """One layer's buffers; the write window is owned by the parent cache."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner: RaggedKVCache) -> None:
+        super().__init__()
+        self.owner = owner
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        owner = self.owner
+        shape = (owner.num_rows, key_states.shape[1], owner.capacity)
+        self.keys = key_states.new_zeros((*shape, key_states.shape[-1]))
+        self.values = value_states.new_zeros((*shape, value_states.shape[-1]))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        span, rows, positions, kv_length = self.owner.window()
+        self.keys[rows, :, positions] = key_states[0].transpose(0, 1)
+        self.values[rows, :, positions] = value_states[0].transpose(0, 1)
+        return self.keys[span, :, :kv_length], self.values[span, :, :kv_length]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.window()[3], 0
+
+    def get_seq_length(self) -> int:
+        return int(self.owner.lengths.max()) if self.owner.lengths.numel() else 0
+
+    def get_max_length(self) -> int:
+        return self.owner.capacity
+
+    def grow(self, capacity: int) -> None:
+        if self.keys is not None:
+            self.keys = _pad_time(self.keys, capacity)
+            self.values = _pad_time(self.values, capacity)
+
+
+def _pad_time(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
+    grown = buffer.new_zeros((*buffer.shape[:2], capacity, buffer.shape[3]))
+    grown[:, :, : buffer.shape[2]] = buffer
+    return grown
+
+
+class RaggedKVCache(Cache):
+    """Rows ``0..num_rows-1``, each with its own committed length.
+
+    Usage per forward: :meth:`set_window` (which rows, how many new tokens), run the model, then
+    :meth:`commit` the accepted entries of each row.
+    """
+
+    def __init__(self, num_layers: int, num_rows: int, capacity: int, device: torch.device | str = "cpu"):
+        super().__init__(layers=[])
+        self.layers = [_RaggedLayer(self) for _ in range(num_layers)]
+        self.num_rows = num_rows
+        self.capacity = capacity
+        self.device = torch.device(device)
+        self.lengths = torch.zeros(num_rows, dtype=torch.long)
+        self._span = slice(0, 0)
+        self._rows: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None
+        self._kv_length = 0
+
+    # --- the window of the next forward pass -------------------------------------------------
+    def set_window(self, rows: list[int], widths: list[int]) -> int:
+        """Prepare a packed forward over ``rows`` (ascending), ``widths[i]`` new tokens for ``rows[i]``.
+
+        Returns the key length the attention mask must have: the longest context among the rows
+        plus its new tokens. Layers return keys and values for the span ``rows[0]..rows[-1]``.
+        """
+        lengths = self.lengths[rows]
+        widths_ = torch.tensor(widths)
+        kv_length = int((lengths + widths_).max())
+        if kv_length > self.capacity:
+            self.reserve(kv_length)
+        token_rows = torch.tensor(rows).repeat_interleave(widths_)
+        starts = torch.cumsum(widths_, 0) - widths_
+        offsets = torch.arange(int(widths_.sum())) - starts.repeat_interleave(widths_)
+        self._rows = token_rows.to(self.device)
+        self._positions = (lengths.repeat_interleave(widths_) + offsets).to(self.device)
+        self._span, self._kv_length = slice(rows[0], rows[-1] + 1), kv_length
+        return kv_length
+
+    def window(self) -> tuple[slice, torch.Tensor, torch.Tensor, int]:
+        """The span of rows, the row and position of each new token, and the key length of the next pass."""
+        if self._rows is None:
+            raise RuntimeError("RaggedKVCache.set_window must be called before a forward pass")
+        return self._span, self._rows, self._positions, self._kv_length
+
+    @torch.inference_mode()
+    def reserve(self, capacity: int) -> None:
+        """Grow every row to hold ``capacity`` tokens (amortised by doubling)."""
+        if capacity <= self.capacity:
+            return
+        self.capacity = max(capacity, 2 * self.capacity)
+        for layer in self.layers:
+            layer.grow(self.capacity)
+
+    # --- after verification ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def commit(self, row: int, accepted: list[int]) -> None:
+        """Keep the written entries at window offsets ``accepted`` (ascending) for ``row``.
+
+        Entry ``accepted[i]`` moves to offset ``i``; the row's length grows by ``len(accepted)``.
+        Only the moved entries are touched.
+        """
+        start = int(self.lengths[row])
+        moved = [(i, a) for i, a in enumerate(accepted) if i != a]
+        if moved:
+            dst = torch.tensor([start + i for i, _ in moved], device=self.device)
+            src = torch.tensor([start + a for _, a in moved], device=self.device)
+            for layer in self.layers:
+                if layer.keys is not None:
+                    layer.keys[row, :, dst] = layer.keys[row, :, src]
+                    layer.values[row, :, dst] = layer.values[row, :, src]
+        self.lengths[row] = start + len(accepted)
+
+    @torch.inference_mode()
+    def copy_row(self, src: int, dst: int) -> None:
+        """Copy a row's committed entries into another row (the cost probe fills rows from one prefill)."""
+        length = int(self.lengths[src])
+        for layer in self.layers:
+            if layer.keys is not None:
+                layer.keys[dst, :, :length] = layer.keys[src, :, :length]
+                layer.values[dst, :, :length] = layer.values[src, :, :length]
+        self.lengths[dst] = length
+
+    def reset_row(self, row: int) -> None:
+        self.lengths[row] = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_seq_length()
+
+    @property
+    def is_compileable(self) -> bool:
+        return False

@@ -1,0 +1,74 @@
+"""File helpers every part shares: the cache directory, atomic writes, JSONL lines, content hashes."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+HASH_BLOCK = 1 << 20
+
+
+def cache_root() -> Path:
+    """Where measured costs, de-quantized weights and tokenized replays are kept between runs.
+
+    ``READER_SPEC_CACHE`` overrides the user cache directory (tests and CI point it at a fresh one).
+    """
+    override = os.environ.get("READER_SPEC_CACHE")
+    if override:
+        return Path(override)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("reader-spec"))
+
+
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """Write through a temporary file in the same directory, so readers never see half a file.
+
+    The temporary file is removed when anything fails; the result gets the permissions a plain
+    ``open`` would give (``mkstemp``'s 0600 would make results private to their writer).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def json_lines(path: str | Path, error: type[Exception]) -> Iterator[tuple[int, object]]:
+    """Each non-blank line of a JSONL file (gzipped when the name ends in .gz), parsed, with its number.
+
+    A line that is not JSON raises ``error`` naming the file and line, so every reader reports alike.
+    """
+    opener = gzip.open if Path(path).suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise error(f"{path}:{number}: not valid JSON ({e.msg})") from None
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(HASH_BLOCK), b""):
+            digest.update(block)
+    return digest.hexdigest()

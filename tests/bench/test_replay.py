@@ -1,0 +1,246 @@
+"""Replay mode: conversation tokenization, accepted-token arithmetic, the report, caching and the CLI."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from reader_spec import replay
+from reader_spec.bench.replay import (
+    Conversation,
+    ReplayError,
+    load_conversations,
+    read_tasks,
+    replay_turn,
+    run_replay,
+    tokenize_conversation,
+)
+from reader_spec.cli import main
+from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal, chain_proposal
+from reader_spec.loading import ModelLoadError, load_tokenizer
+from reader_spec.prompts import encode_prompt
+from tests.conftest import make_tiny_tokenizer
+
+# Every turn ends with the end-of-sequence word w1, as chat models end theirs with an end-of-turn token.
+TURN_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} w1 {% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+# Words starting with "w1" other than w1 itself are avoided: the tokenizer splits the special w1 out of them.
+CONVERSATION = [
+    {"role": "system", "content": "w5 w6"},
+    {"role": "user", "content": "w7 w8 w9"},
+    {"role": "assistant", "content": "w20 w21 w7 w8"},
+    {"role": "tool", "content": "w22"},
+    {"role": "assistant", "content": "w9 w20"},
+    {"role": "exit", "content": "w23"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.chat_template = TURN_TEMPLATE
+    return tokenizer
+
+
+def test_contexts_are_the_chat_template_and_continuations_end_at_eos(tokenizer):
+    tokens, turns = tokenize_conversation(tokenizer, CONVERSATION)
+    assistant = [i for i, m in enumerate(CONVERSATION) if m["role"] == "assistant"]
+    assert len(turns) == len(assistant) == 2
+    for (context_end, end), index in zip(turns, assistant, strict=True):
+        assert tokens[:context_end] == encode_prompt(tokenizer, CONVERSATION[:index])  # what a server sees
+        content = tokenizer(CONVERSATION[index]["content"])["input_ids"]
+        assert tokens[context_end:end] == [*content, tokenizer.eos_token_id]
+    # Messages after the last assistant turn are dropped; the unknown role "tool" renders as w0.
+    assert tokens[turns[-1][1] :] == []
+    assert 0 in tokens[turns[0][1] : turns[1][0]]
+
+
+def test_tokenization_errors(tokenizer):
+    plain = make_tiny_tokenizer()
+    plain.chat_template = None
+    with pytest.raises(ReplayError, match="no chat template"):
+        tokenize_conversation(plain, CONVERSATION)
+    appends_always = make_tiny_tokenizer()  # conftest's template ends every prefix with <assistant>
+    with pytest.raises(ReplayError, match="does not extend"):
+        tokenize_conversation(appends_always, CONVERSATION)
+    assert tokenize_conversation(tokenizer, CONVERSATION[:2]) == ([], [])
+
+
+def conversation(context: list[int], turns: list[list[int]], between: list[int]) -> Conversation:
+    """Hand-made tokens: a context, then turns separated by ``between`` (a tool message, say)."""
+    tokens, spans = list(context), []
+    for turn in turns:
+        start = len(tokens)
+        tokens += turn
+        spans.append((start, len(tokens)))
+        tokens += between
+    return Conversation("hand", np.asarray(tokens, dtype=np.int32), tuple(spans))
+
+
+class Oracle:
+    """Proposes exactly what the recording holds next (past a turn's end too), as a chain."""
+
+    def __init__(self, recording: list[int]):
+        self.recording, self.texts = recording, {}
+
+    def begin(self, request, prompt):
+        self.texts[request] = list(prompt)
+
+    def extend(self, request, tokens):
+        self.texts[request] += tokens
+
+    def propose(self, request, max_nodes):
+        done = len(self.texts[request])
+        upcoming = self.recording[done : done + max_nodes]
+        return chain_proposal(upcoming, [1.0] * len(upcoming)) if upcoming else EMPTY_PROPOSAL
+
+    def observe(self, request, proposal, accepted):
+        assert all(0 <= node < len(proposal) for node in accepted)
+
+    def end(self, request):
+        del self.texts[request]
+
+
+class Fixed(Oracle):
+    """Always proposes the same proposal."""
+
+    def __init__(self, proposal: Proposal):
+        super().__init__([])
+        self.proposal = proposal
+
+    def propose(self, request, max_nodes):
+        return self.proposal.truncated(max_nodes)
+
+
+def test_oracle_accepts_the_whole_budget_and_stops_at_the_turn_end():
+    recorded = list(range(10, 20))
+    tokens = [1, 2, 3, *recorded, 4, 5, 6]
+    stats = replay_turn(Oracle(tokens), "r", tokens[:3], recorded, budget=3)
+    # Steps emit 3 accepted + 1 bonus, 3 + 1, then the last 2 (both drafted and accepted, no bonus).
+    assert (stats.steps, stats.tokens, stats.accepted, stats.drafted) == (3, 10, 8, 9)
+    assert stats.mean_accepted == pytest.approx(10 / 3)
+
+
+def test_empty_and_wrong_drafters_score_exactly_one():
+    recorded = [7, 8, 9, 7, 8]
+    empty = replay_turn(Fixed(EMPTY_PROPOSAL), "r", [1, 2], recorded, budget=4)
+    assert (empty.steps, empty.tokens, empty.accepted, empty.drafted) == (5, 5, 0, 0)
+    assert empty.mean_accepted == 1.0 and empty.drafted_per_accepted is None
+    wrong = replay_turn(Fixed(chain_proposal([90, 91, 92], [0.5] * 3)), "r", [1, 2], recorded, budget=2)
+    assert (wrong.steps, wrong.tokens, wrong.accepted, wrong.drafted) == (5, 5, 0, 10)
+    assert wrong.mean_accepted == 1.0
+
+
+def test_trees_accept_along_the_branch_that_follows_the_recording():
+    # Root children 90 (likelier, wrong) and 7; below 7: 8 then 50 (wrong) -> accepts 7 8, bonus 9.
+    tree = Proposal((90, 7, 8, 50), (-1, -1, 1, 2), (0.9, 0.5, 0.4, 0.3))
+    stats = replay_turn(Fixed(tree), "r", [1], [7, 8, 9], budget=4)
+    assert (stats.steps, stats.tokens, stats.accepted, stats.drafted) == (1, 3, 2, 4)
+    cut = replay_turn(Fixed(tree), "r", [1], [7, 8, 9], budget=2)  # the budget keeps 90 and 7 only
+    assert (cut.steps, cut.accepted) == (2, 1)
+
+
+class Recorder(Oracle):
+    """An oracle that logs the calls it gets."""
+
+    def __init__(self, recording):
+        super().__init__(recording)
+        self.calls = []
+
+    def begin(self, request, prompt):
+        self.calls.append(("begin", request, len(prompt)))
+        super().begin(request, prompt)
+
+    def end(self, request):
+        self.calls.append(("end", request))
+        super().end(request)
+
+
+def test_run_replay_keeps_one_drafter_per_method_across_turns(tmp_path):
+    convo = conversation([1, 2, 3], [[10, 11, 12, 13], [20, 21, 22]], [4, 5])
+    recorder = Recorder(convo.tokens.tolist())
+    report = run_replay(
+        [convo, convo], {"oracle": recorder, "none": Fixed(EMPTY_PROPOSAL)}, 2, progress=False
+    )
+    begins = [c for c in recorder.calls if c[0] == "begin"]
+    assert [c[2] for c in begins] == [3, 9, 3, 9]  # contexts: before turn 1, before turn 2, twice
+    assert len({c[1] for c in begins}) == 4 and recorder.calls[1] == ("end", begins[0][1])
+    oracle, none = report.methods["oracle"], report.methods["none"]
+    assert (oracle.tasks, oracle.turns, oracle.tokens) == (2, 4, 14)
+    assert oracle.steps == 2 * (2 + 1) and none.steps == none.tokens == 14
+    assert report.settings["turns"] == 4 and report.settings["tokens"] == 14
+    assert [t["id"] for t in report.tasks] == ["hand", "hand"]
+    assert sum(t["oracle"]["steps"] for t in report.tasks) == oracle.steps
+    report.save(tmp_path)
+    saved = json.loads((tmp_path / "replay.json").read_text())
+    assert saved["methods"]["none"]["mean_accepted"] == 1.0
+    assert "| oracle | 2.33 |" in (tmp_path / "replay.md").read_text()
+    with pytest.raises(ValueError):
+        run_replay([convo], {"none": Fixed(EMPTY_PROPOSAL)}, 0, progress=False)
+
+
+def write_tasks(path, tasks) -> None:
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for task in tasks:
+            f.write(json.dumps(task) + "\n")
+
+
+def test_conversations_are_cached(tmp_path, tokenizer, monkeypatch):
+    path = tmp_path / "tasks.jsonl.gz"
+    write_tasks(path, [{"instance_id": "a", "messages": CONVERSATION}, {"messages": CONVERSATION[:3]}])
+    first = load_conversations(path, tokenizer, "fp", tmp_path / "cache")
+    assert [c.id for c in first] == ["a", "2"] and [len(c.turns) for c in first] == [2, 1]
+
+    def no_tokenizing(*args):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(replay, "tokenize_conversation", no_tokenizing)
+    again = load_conversations(path, tokenizer, "fp", tmp_path / "cache")
+    assert [(c.id, c.tokens.tolist(), c.turns) for c in again] == [
+        (c.id, c.tokens.tolist(), c.turns) for c in first
+    ]
+    with pytest.raises(AssertionError):  # another tokenizer fingerprint is another cache entry
+        load_conversations(path, tokenizer, "other", tmp_path / "cache")
+
+
+def test_malformed_recordings(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user"}]}\n')
+    with pytest.raises(ReplayError, match=r"bad\.jsonl:1"):
+        read_tasks(bad)
+    bad.write_text("{not json\n")
+    with pytest.raises(ReplayError, match="not valid JSON"):
+        read_tasks(bad)
+
+
+def test_cli_replay(tmp_path, tokenizer, monkeypatch, capsys):
+    monkeypatch.setenv("READER_SPEC_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(model)
+    path = tmp_path / "tasks.jsonl.gz"
+    write_tasks(path, [{"instance_id": "a", "messages": CONVERSATION}] * 2)
+    out = tmp_path / "out"
+    argv = ["bench", "--replay", str(path), "--model", str(model), "--budget", "4", "--limit", "1"]
+    assert main([*argv, "--methods", "pld,suffix", "reader", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| pld |" in printed and "| suffix |" in printed and "| reader |" in printed
+    saved = json.loads((out / "replay.json").read_text())
+    assert saved["settings"]["tasks"] == 1 and saved["settings"]["budget"] == 4
+    assert set(saved["methods"]) == {"pld", "suffix", "reader"}
+    assert main([*argv, "--methods", "eagle"]) == 2
+    assert "unknown replay method eagle" in capsys.readouterr().err
+
+
+def test_load_tokenizer_only(tmp_path, tokenizer):
+    tokenizer.save_pretrained(tmp_path / "tok")
+    loaded = load_tokenizer(tmp_path / "tok")
+    assert loaded.name == str(tmp_path / "tok") and loaded.tokenizer.chat_template == TURN_TEMPLATE
+    (tmp_path / "empty").mkdir()
+    for bad in (tmp_path / "empty", tmp_path / "missing", tmp_path / "missing.gguf"):
+        with pytest.raises(ModelLoadError):
+            load_tokenizer(bad)

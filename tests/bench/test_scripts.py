@@ -1,0 +1,18 @@
+"""The measurement scripts run against the current API (they are not imported anywhere else)."""
+
+import runpy
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+def test_context_index_script_runs_and_drafts_on_repetitive_text(monkeypatch, capsys):
+    argv = ["bench_context_index.py", "--prompt-tokens", "400", "--output-tokens", "200", "--repeats", "2",
+            "--max-nodes", "8"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(str(SCRIPTS / "bench_context_index.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    phrases = out.split("== uniform")[0]
+    tokens_per_step = float(phrases.split("tokens/step ")[1].split(";")[0])
+    assert "build index" in out and tokens_per_step > 1.0  # repeated phrases get accepted drafts

@@ -1,0 +1,188 @@
+import pytest
+
+import reader_spec.budget.costs as budget
+from reader_spec.budget.costs import (
+    LONG_CONTEXT,
+    PROBE_CONTEXT,
+    CostModel,
+    allocate,
+    fixed_allocation,
+    load_costs,
+    probe_points,
+    save_costs,
+    time_interleaved,
+)
+from reader_spec.engine.tree import EMPTY_PROPOSAL, chain_proposal
+
+# Shaped like this machine's measured batch-1 curve (seconds by draft tokens): 7 drafts, 8 tree
+# tokens, cost ~1.8 plain steps.
+CURVE = {
+    0: 0.042,
+    1: 0.043,
+    3: 0.061,
+    7: 0.076,
+    11: 0.080,
+    15: 0.084,
+    23: 0.09,
+    31: 0.10,
+    47: 0.125,
+    63: 0.15,
+}
+
+
+def costs(scale_by_batch=None):
+    scale_by_batch = scale_by_batch or {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.0}
+    return at_probe_context({b: {d: t * s for d, t in CURVE.items()} for b, s in scale_by_batch.items()})
+
+
+def at_probe_context(curves):
+    """Cost samples measured at the probe context only, as ``{batch: {drafted: seconds}}``."""
+    return CostModel({PROBE_CONTEXT: curves})
+
+
+def test_interpolates_draft_counts_and_batches():
+    model = costs()
+    assert model.seconds(1, 7) == pytest.approx(0.076)
+    assert model.seconds(1, 9) == pytest.approx((0.076 + 0.080) / 2)
+    assert model.seconds(3, 0) == pytest.approx(0.042 * 2.0)  # halfway between batch 2 and 4
+    assert model.table(3, 9) == [model.seconds(3, d) for d in range(10)]
+
+
+def test_measures_lazily_and_persists(tmp_path):
+    calls = []
+    path = tmp_path / "c.json"
+
+    def measure(batch, drafted, context):
+        calls.append((batch, list(drafted), context))
+        return {d: 0.01 * (d + 1) * context / PROBE_CONTEXT for d in drafted}
+
+    model = CostModel(measure=measure, budget=4, path=path)
+    assert model.seconds(2, 3) == pytest.approx(0.04)
+    # One curve, every total the budget allows; at the long context no draft and two per sequence.
+    assert calls == [(2, list(range(9)), PROBE_CONTEXT), (2, [0, 4], LONG_CONTEXT)]
+    assert load_costs(path) == model.samples
+    model.seconds(2, 5)
+    assert len(calls) == 2
+
+
+def test_cost_grows_with_context_as_measured_at_the_long_context():
+    long = LONG_CONTEXT - PROBE_CONTEXT
+    model = CostModel(
+        {
+            PROBE_CONTEXT: {4: {0: 1.0, 4: 1.2, 8: 1.4, 16: 1.8}},
+            LONG_CONTEXT: {4: {0: 2.0, 8: 2.8}},  # each context token adds 1/long s, 1.4/long with 8 drafts
+        }
+    )
+    assert model.seconds(4, 0, LONG_CONTEXT) == pytest.approx(2.0)
+    assert model.seconds(4, 8, LONG_CONTEXT) == pytest.approx(2.8)
+    assert model.seconds(4, 4, PROBE_CONTEXT + long / 2) == pytest.approx(1.2 + 0.6)  # slope 1.2/long
+    assert model.seconds(4, 16, LONG_CONTEXT) == pytest.approx(1.8 + 1.8)  # slope extrapolated to 1.8/long
+    assert model.table(4, 16, 700) == pytest.approx([model.seconds(4, d, 700) for d in range(17)])
+
+
+def test_probes_every_total_up_to_the_dense_limit_then_sparse_ones_up_to_the_budget():
+    dense = budget.DENSE_TOKENS
+    assert probe_points(1, 3) == [0, 1, 2, 3]
+    assert probe_points(1, 16) == list(range(17))
+    assert probe_points(1, 100) == [*range(dense), 47, 63, 95, 100]  # the budget's own maximum last
+    assert probe_points(8, 128) == [*range(dense - 8 + 1), 40, 56, 88, 120, 128]
+    assert probe_points(32, 512) == [0, 16, 32, 64, 96, 160, 224, 352, 480, 512]
+    assert probe_points(64, 16) == [0, 16]
+    assert probe_points(4, 0) == [0]
+
+
+def test_a_staircase_curve_is_priced_where_it_was_measured():
+    """Two drafts costing what one does must not be priced halfway to three."""
+    model = at_probe_context({1: {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.5}})
+    third = chain_proposal(range(3), [0.2, 0.04, 0.01])
+    assert model.seconds(1, 2) == 1.0
+    assert allocate([third], model, 3) == [2]
+
+
+def test_interleaved_timing_alternates_order_and_skips_the_warm_up(monkeypatch):
+    order = []
+    clock = iter(range(1000))
+    monkeypatch.setattr(budget.time, "perf_counter", lambda: next(clock))
+    times = time_interleaved({1: lambda: order.append(1), 2: lambda: order.append(2)}, rounds=3)
+    assert order == [2, 1, 1, 2, 2, 1, 1, 2]  # warm-up round first, then alternating
+    assert times == {1: 1, 2: 1}
+
+
+def test_interleaved_timing_keeps_each_calls_fastest_round(monkeypatch):
+    """A burst of load slows some rounds; the pass's own cost is its fastest one, not the median."""
+    # warm-up (2, 1), then rounds (1, 2), (2, 1), (1, 2), (2, 1):
+    # call 1 takes 5, 7, 7, 8 and call 2 takes 1, 6, 6, 6
+    durations = iter([9, 9, 5, 1, 6, 7, 7, 6, 6, 8])
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    def call():
+        now[0] += next(durations)
+
+    monkeypatch.setattr(budget.time, "perf_counter", clock)
+    times = time_interleaved({1: call, 2: call}, rounds=4)
+    assert times == {1: 5, 2: 1}  # the medians would be 7 and 6
+
+
+def test_corrupt_cost_file_is_ignored(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text("{not json")
+    assert load_costs(path) == {}
+    save_costs(path, {256: {1: {1: 0.5}}})
+    assert load_costs(path) == {256: {1: {1: 0.5}}}
+
+
+def test_weak_drafts_are_not_verified():
+    weak = chain_proposal(range(16), [0.01] * 16)
+    assert allocate([weak], costs(), 16) == [0]
+    assert allocate([EMPTY_PROPOSAL], costs(), 16) == [0]
+
+
+def test_sure_drafts_get_a_deep_tree():
+    sure = chain_proposal(range(16), [0.97 ** (i + 1) for i in range(16)])
+    assert allocate([sure], costs(), 16) == [16]
+    assert allocate([sure], costs(), 4) == [4]
+
+
+def test_count_chosen_maximises_expected_tokens_per_second():
+    probs = [0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05]
+    model = costs()
+    [count] = allocate([chain_proposal(range(7), probs)], model, 7)
+    rates = {n: (1 + sum(probs[:n])) / model.seconds(1, n) for n in range(8)}
+    assert count == max(rates, key=rates.get)
+
+
+def test_draft_tokens_go_to_the_sequences_whose_nodes_are_likeliest():
+    """A sure match gets a deep tree and a weak one nothing, in the same batch."""
+    sure = chain_proposal(range(8), [0.95 ** (i + 1) for i in range(8)])
+    weak = chain_proposal(range(8), [0.02] * 8)
+    middling = chain_proposal(range(8), [0.6, 0.3, 0.1, 0.05, 0.02, 0.01, 0.01, 0.01])
+    # Each draft token adds 0.01 s to a 1 s pass of four sequences.
+    linear = at_probe_context({4: {0: 1.0, 32: 1.32}})
+    counts = allocate([weak, sure, EMPTY_PROPOSAL, middling], linear, 8)
+    assert counts[0] == counts[2] == 0
+    assert counts[1] == 8
+    assert 1 <= counts[3] <= 3
+    # Greedy by marginal gain: every kept node is at least as likely as every node left out.
+    proposals = [weak, sure, EMPTY_PROPOSAL, middling]
+    kept = [p.probs[i] for p, n in zip(proposals, counts, strict=True) for i in range(n)]
+    left = [p.probs[i] for p, n in zip(proposals, counts, strict=True) for i in range(n, len(p))]
+    assert min(kept) >= max(left)
+
+
+def test_total_draft_follows_the_batchs_spare_compute():
+    """Where extra tokens are nearly free the batch drafts more than where they cost dearly."""
+    proposals = [chain_proposal(range(8), [0.5 ** (i + 1) for i in range(8)]) for _ in range(8)]
+    cheap = at_probe_context({8: {0: 1.0, 64: 1.1}})
+    dear = at_probe_context({8: {0: 1.0, 64: 4.0}})
+    assert sum(allocate(proposals, cheap, 8)) > sum(allocate(proposals, dear, 8)) > 0
+    # Long contexts make the pass dearer, the same drafts relatively cheaper: more of them pay.
+    with_context = CostModel({PROBE_CONTEXT: {8: {0: 1.0, 64: 4.0}}, LONG_CONTEXT: {8: {0: 3.0, 16: 3.75}}})
+    assert sum(allocate(proposals, with_context, 8, LONG_CONTEXT)) > sum(allocate(proposals, with_context, 8))
+
+
+def test_fixed_allocation_uses_the_budget():
+    weak = chain_proposal(range(16), [0.05] * 16)
+    assert fixed_allocation([weak, EMPTY_PROPOSAL], costs(), 8) == [8, 0]

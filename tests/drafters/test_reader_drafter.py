@@ -1,0 +1,419 @@
+"""ReaderDrafter and its parts: index exactness, best-first trees, calibration from feedback."""
+
+from __future__ import annotations
+
+import math
+import random
+from itertools import pairwise
+
+import numpy as np
+import pytest
+
+from reader_spec.drafters import Drafter, ReaderDrafter
+from reader_spec.drafters.retrieval.calibration import AcceptanceCalibrator, calibration_trials
+from reader_spec.drafters.retrieval.ngram_index import Match, NgramIndex
+from reader_spec.drafters.retrieval.tries import SourceTrie, build_continuation_trie, select_best_first
+from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
+
+
+def check_tree(proposal: Proposal) -> None:
+    """Parents precede children, probabilities are positive, best-first and non-increasing on paths."""
+    assert all(-1 <= p < i for i, p in enumerate(proposal.parents))
+    assert all(p > 0 for p in proposal.probs)
+    assert all(a >= b for a, b in pairwise(proposal.probs))
+    for i, parent in enumerate(proposal.parents):
+        if parent >= 0:
+            assert proposal.probs[i] <= proposal.probs[parent]
+    assert set(proposal.sources) <= {"context", "history", "datastore"}
+
+
+def path_of(proposal: Proposal, node: int) -> tuple[int, ...]:
+    path = []
+    while node >= 0:
+        path.append(proposal.tokens[node])
+        node = proposal.parents[node]
+    return tuple(path[::-1])
+
+
+def brute_self_match(text: list[int], max_ngram: int) -> tuple[int, list[int]]:
+    """Longest suffix that ends somewhere before the text's end, and those ends, newest first."""
+    for length in range(min(max_ngram, len(text) - 1), 0, -1):
+        suffix = text[-length:]
+        ends = [q for q in range(length - 1, len(text) - 1) if text[q - length + 1 : q + 1] == suffix]
+        if ends:
+            return length, ends[::-1]
+    return 0, []
+
+
+def brute_query_match(text: list[int], query: list[int], max_ngram: int) -> tuple[int, list[int]]:
+    """Longest suffix of ``query`` found anywhere in ``text``, and its ends, newest first."""
+    for length in range(min(max_ngram, len(query)), 0, -1):
+        suffix = query[-length:]
+        ends = [q for q in range(length - 1, len(text)) if text[q - length + 1 : q + 1] == suffix]
+        if ends:
+            return length, ends[::-1]
+    return 0, []
+
+
+def brute_path_probs(continuations: list[list[int]], confidence: list[float]) -> dict[tuple[int, ...], float]:
+    """Every trie path's probability, computed from prefix counts without a trie."""
+    through: dict[tuple[int, ...], int] = {}
+    onward: dict[tuple[int, ...], int] = {}
+    for c in continuations:
+        for d in range(len(c) + 1):
+            through[tuple(c[:d])] = through.get(tuple(c[:d]), 0) + 1
+            if d < len(c):
+                onward[tuple(c[:d])] = onward.get(tuple(c[:d]), 0) + 1
+    probs: dict[tuple[int, ...], float] = {}
+    for path in sorted(through, key=len):
+        if path:
+            edge = min(1.0, confidence[len(path) - 1] * through[path] / onward[path[:-1]])
+            probs[path] = probs.get(path[:-1], 1.0) * edge
+    return probs
+
+
+def random_stream(rng: random.Random, length: int, vocab: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+def started(prompt: list[int], **kwargs) -> ReaderDrafter:
+    """A drafter on the request's own text only, tracking request "r"."""
+    drafter = ReaderDrafter(**{"history_tokens": 0, **kwargs})
+    drafter.begin("r", prompt)
+    return drafter
+
+
+def test_implements_drafter_protocol() -> None:
+    assert isinstance(ReaderDrafter(), Drafter)
+
+
+def test_repeated_text_continues_as_a_chain() -> None:
+    text = [10, 11, 12, 13, 14, 15, 16, 17, 10, 11, 12]
+    proposal = started(text).propose("r", 5)
+    assert proposal.tokens == (13, 14, 15, 16, 17)
+    assert proposal.parents == (-1, 0, 1, 2, 3)
+    assert proposal.sources == ("context",) * 5
+    check_tree(proposal)
+
+
+def test_continuation_is_cut_at_the_end_of_the_text() -> None:
+    # "7 8 9 7" occurred once before (ending at position 3); only "8 9 7" follows it so far.
+    proposal = started([7, 8, 9, 7, 8, 9, 7]).propose("r", 16)
+    assert proposal.tokens == (8, 9, 7)
+    assert proposal.parents == (-1, 0, 1)
+
+
+def test_counts_rank_branches_and_set_their_ratio() -> None:
+    # After "1 2" came "3" three times and "4" once.
+    text = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 4, 7, 1, 2, 3, 6, 1, 2]
+    drafter = started(text)
+    proposal = drafter.propose("r", 10)
+    check_tree(proposal)
+    roots = [i for i, p in enumerate(proposal.parents) if p == -1]
+    assert [proposal.tokens[i] for i in roots] == [3, 4]
+    assert proposal.probs[roots[0]] / proposal.probs[roots[1]] == pytest.approx(3.0)
+    assert proposal.probs[roots[0]] == pytest.approx(0.75 * drafter.calibrators["context"].confidence(2))
+
+
+def test_no_repetition_gives_an_empty_proposal() -> None:
+    drafter = started(list(range(100)))
+    assert drafter.propose("r", 8) is EMPTY_PROPOSAL
+    drafter.begin("r", [5])
+    assert drafter.propose("r", 8) is EMPTY_PROPOSAL
+
+
+def test_min_match_filters_short_matches() -> None:
+    text = [1, 2, 3, 4, 5, 3]  # only "3" repeats
+    assert len(started(text).propose("r", 4)) > 0
+    assert started(text, min_match=2).propose("r", 4) is EMPTY_PROPOSAL
+
+
+@pytest.mark.parametrize("max_nodes", [0, -3, 1, 2, 5, 17, 64])
+def test_budget_is_respected(max_nodes: int) -> None:
+    rng = random.Random(max_nodes)
+    drafter = started(random_stream(rng, 400, 5))
+    full = drafter.propose("r", 1000)
+    proposal = drafter.propose("r", max_nodes)
+    if max_nodes <= 0:
+        assert proposal is EMPTY_PROPOSAL
+    else:
+        assert len(proposal) == min(max_nodes, len(full))
+        # Best first: a smaller budget is a prefix of a larger one.
+        assert proposal == full.truncated(max_nodes)
+        check_tree(proposal)
+
+
+def test_chain_option_keeps_the_heaviest_child() -> None:
+    text = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 4, 7, 1, 2, 3, 6, 1, 2]
+    proposal = started(text, max_breadth=1).propose("r", 10)
+    assert proposal.parents == tuple(range(-1, len(proposal) - 1))
+    assert proposal.tokens[:2] == (3, 6)  # "3" is the majority; after "1 2 3", the newest continuation
+    check_tree(proposal)
+
+
+def test_propose_is_deterministic() -> None:
+    rng = random.Random(7)
+    text = random_stream(rng, 300, 4)
+    a, b = started(text), started(text)
+    assert a.propose("r", 32) == a.propose("r", 32) == b.propose("r", 32)
+
+
+def test_incremental_extension_equals_rebuilding() -> None:
+    rng = random.Random(1234)
+    for case in range(300):
+        vocab = rng.choice([2, 3, 5, 20, 49152])
+        text = random_stream(rng, rng.randrange(1, 120), vocab)
+        max_ngram = rng.choice([1, 2, 4, 12])
+        split = rng.randrange(len(text) + 1)
+        incremental = ReaderDrafter(max_ngram=max_ngram)
+        incremental.begin(case, text[:split])
+        position = split
+        while position < len(text):
+            step = rng.randrange(1, 6)
+            incremental.extend(case, text[position : position + step])
+            position += step
+        rebuilt = ReaderDrafter(max_ngram=max_ngram)
+        rebuilt.begin(case, text)
+        max_nodes = rng.choice([1, 8, 40])
+        assert incremental.propose(case, max_nodes) == rebuilt.propose(case, max_nodes), case
+
+
+def test_index_matches_brute_force_on_its_own_suffix() -> None:
+    rng = random.Random(99)
+    for _ in range(300):
+        max_ngram = rng.choice([1, 3, 6])
+        text = random_stream(rng, rng.randrange(1, 60), rng.choice([3, 4, 5]))
+        index = NgramIndex(max_ngram)
+        for token in text:  # one token at a time: every intermediate state is checked
+            index.append([token])
+        length, ends = brute_self_match(text, max_ngram)
+        match = index.longest_match()
+        assert match.length == length
+        assert index.occurrences(match, 10**6) == ends
+        limit = rng.randrange(1, 5)
+        assert index.continuations(match, limit, 4) == [text[q + 1 : q + 5] for q in ends[:limit]]
+
+
+def test_index_matches_brute_force_on_external_queries() -> None:
+    rng = random.Random(5)
+    for _ in range(300):
+        max_ngram = rng.choice([1, 3, 8])
+        vocab = rng.choice([2, 3, 5])
+        text = random_stream(rng, rng.randrange(0, 60), vocab)
+        index = NgramIndex(max_ngram)
+        index.append(text)
+        query = text[rng.randrange(len(text) + 1) :] if rng.random() < 0.5 else []
+        query = query + random_stream(rng, rng.randrange(0, 12), vocab)
+        length, ends = brute_query_match(text, query, max_ngram)
+        match = index.longest_match(query)
+        assert match.length == length
+        assert index.occurrences(match, 10**6) == ends
+
+
+def test_proposal_is_the_top_of_brute_force_path_probabilities() -> None:
+    rng = random.Random(42)
+    for _ in range(200):
+        max_ngram, max_depth, max_occurrences = rng.choice([2, 5]), rng.choice([1, 3, 6]), rng.choice([2, 64])
+        text = random_stream(rng, rng.randrange(2, 80), rng.choice([3, 4, 5]))
+        drafter = started(text, max_ngram=max_ngram, max_depth=max_depth, max_occurrences=max_occurrences)
+        max_nodes = rng.choice([1, 4, 30])
+        proposal = drafter.propose("r", max_nodes)
+        length, ends = brute_self_match(text, max_ngram)
+        if length == 0:
+            assert proposal is EMPTY_PROPOSAL
+            continue
+        continuations = [text[q + 1 : q + 1 + max_depth] for q in ends[:max_occurrences]]
+        confidence = [drafter.calibrators["context"].confidence(length + d) for d in range(max_depth)]
+        expected = brute_path_probs(continuations, confidence)
+        check_tree(proposal)
+        assert len(proposal) == min(max_nodes, len(expected))
+        for i in range(len(proposal)):
+            assert proposal.probs[i] == pytest.approx(expected[path_of(proposal, i)])
+        best = sorted(expected.values(), reverse=True)[: len(proposal)]
+        assert list(proposal.probs) == pytest.approx(best)
+
+
+def test_best_first_selection_of_weighted_continuations() -> None:
+    trie = build_continuation_trie([([1, 2], 3.0), ([1, 3], 1.0), ([4], 4.0), ([5, 6], 0.0)])
+    proposal = select_best_first([SourceTrie("corpus", 2, trie, [1.0, 0.5])], max_nodes=10)
+    # Root children: 1 and 4 share 4/8 each ("5 6" carries no weight); below 1: 2 (3/4) and 3 (1/4), halved.
+    assert proposal.tokens == (1, 4, 2, 3)
+    assert proposal.parents == (-1, -1, 0, 0)
+    assert proposal.probs == pytest.approx((0.5, 0.5, 0.1875, 0.0625))
+    assert proposal.sources == ("corpus",) * 4
+
+    def only(trie, confidence):
+        return [SourceTrie("corpus", 2, trie, confidence)]
+
+    assert select_best_first(only(trie, [1.0, 0.5]), max_nodes=0) is EMPTY_PROPOSAL
+    assert select_best_first([], max_nodes=4) is EMPTY_PROPOSAL
+    assert select_best_first(only(build_continuation_trie([]), [1.0]), max_nodes=4) is EMPTY_PROPOSAL
+    assert select_best_first(only(build_continuation_trie([([1], 0.0)]), [1.0]), 4) is EMPTY_PROPOSAL
+    assert select_best_first(only(trie, [0.0, 0.5]), max_nodes=4) is EMPTY_PROPOSAL  # zero probability
+
+
+def test_calibration_trials_follow_the_accepted_path() -> None:
+    chain = Proposal((1, 2, 3), (-1, 0, 1), (0.5, 0.4, 0.3))
+    assert calibration_trials(chain, [1.0, 1.0, 0.5], [0]) == [(1, True, 1.0), (2, False, 1.0)]
+    assert calibration_trials(chain, [1.0, 1.0, 0.5], [0, 1, 2]) == [
+        (1, True, 1.0),
+        (2, True, 1.0),
+        (3, True, 0.5),
+    ]
+    tree = Proposal((1, 4, 2), (-1, -1, 0), (0.5, 0.2, 0.3))
+    # Both root children were tested; the one accepted decides which children were tested next.
+    assert calibration_trials(tree, [0.75, 0.25, 1.0], [0, 2]) == [(1, True, 1.0), (2, True, 1.0)]
+    assert calibration_trials(tree, [0.75, 0.25, 1.0], [1]) == [(1, True, 1.0)]
+    assert calibration_trials(tree, [0.75, 0.25, 1.0], []) == [(1, False, 1.0)]
+    # A source that proposed only node 1 (token 4) scores a miss when node 0 was accepted.
+    assert calibration_trials(tree, [0.0, 0.5, 0.0], [0, 2]) == [(1, False, 0.5)]
+
+
+def test_calibration_learns_from_rejections_and_acceptances() -> None:
+    text = [10, 11, 12, 13, 14, 15, 16, 17, 10, 11, 12]
+    rejected, accepted = started(text), started(text)
+    first = rejected.propose("r", 4).probs
+    for _ in range(30):
+        proposal = rejected.propose("r", 4)
+        rejected.observe("r", proposal, [])
+        proposal = accepted.propose("r", 4)
+        accepted.observe("r", proposal, list(range(len(proposal))))
+    low, high = rejected.propose("r", 4).probs, accepted.propose("r", 4).probs
+    assert low[0] < 0.15 * first[0]
+    assert high[0] > 0.85 and all(h > f for h, f in zip(high, first, strict=True))
+
+
+def test_calibration_uses_truncated_feedback_and_ignores_foreign_proposals() -> None:
+    text = [10, 11, 12, 13, 14, 15, 16, 17, 10, 11, 12]
+    drafter = started(text)
+    before = drafter.calibrators["context"].confidence(3)
+    drafter.observe("r", Proposal((13,), (-1,), (0.9,)), [0])  # not this drafter's proposal
+    proposal = drafter.propose("r", 4)
+    drafter.observe("r", proposal.truncated(2), [0, 1])  # the engine verified only two nodes
+    drafter.observe("r", proposal, [0, 1, 2, 3])  # feedback already consumed: ignored
+    # Two trials: depth 1 at match length 3 and depth 2 at match length 4, both hits.
+    assert drafter.calibrators["context"].confidence(3) == pytest.approx((before * 4 + 1) / 5)
+    assert drafter.calibrators["context"].confidence(4) == pytest.approx((0.5 * 4 + 1) / 5)
+
+
+def test_calibrator_estimator() -> None:
+    calibrator = AcceptanceCalibrator(bounds=(1, 3), prior_means=(0.5, 0.8), prior_strength=2.0)
+    assert [calibrator.bucket(n) for n in (0, 1, 2, 3, 50)] == [0, 0, 0, 1, 1]
+    calibrator.update(2, 1.0, 0.5)
+    assert calibrator.confidence(1) == pytest.approx(2.0 / 2.5)
+    assert calibrator.confidence(7) == pytest.approx(0.8)
+
+
+def test_requests_are_independent_and_end_forgets() -> None:
+    drafter = ReaderDrafter()
+    drafter.begin("a", [1, 2, 3, 1, 2])
+    drafter.begin("b", [5, 6, 7, 8])
+    assert drafter.propose("a", 1).tokens == (3,)
+    assert drafter.propose("b", 4) is EMPTY_PROPOSAL
+    drafter.extend("b", [5, 6])
+    assert drafter.propose("b", 2).tokens == (7, 8)
+    assert drafter.propose("a", 1).tokens == (3,)
+    drafter.end("a")
+    drafter.end("a")  # ending twice is harmless
+    with pytest.raises(KeyError):
+        drafter.propose("a", 1)
+    assert drafter.propose("b", 2).tokens == (7, 8)
+
+
+def test_token_ids_are_validated_and_numpy_ints_accepted() -> None:
+    with pytest.raises(ValueError):
+        NgramIndex().append([1, -1])
+    index = NgramIndex()
+    index.append(np.array([3, 4, 3], dtype=np.int64))
+    assert index.longest_match() == Match(1, 0)
+    assert index.longest_match([9, 3, 4]) == Match(2, 1)
+
+
+def test_probabilities_stay_valid_for_long_deep_matches() -> None:
+    text = [1, 2, 3, 4] * 40
+    drafter = started(text)
+    for _ in range(50):  # drive the confidence for long matches above 1/share
+        proposal = drafter.propose("r", 64)
+        drafter.observe("r", proposal, list(range(len(proposal))))
+    proposal = drafter.propose("r", 64)
+    check_tree(proposal)
+    assert all(0 < p <= 1 and not math.isnan(p) for p in proposal.probs)
+
+
+# --- several sources in one tree ------------------------------------------------------------------------
+class FixedSource:
+    """A long-term source that always reports the same match."""
+
+    def __init__(self, length: int, continuations: list[tuple[list[int], float]]):
+        self.length, self.continuations = length, continuations
+        self.queries: list[list[int]] = []
+
+    def lookup(self, text, max_occurrences, max_depth):
+        self.queries.append(list(text))
+        return self.length, [(c[:max_depth], w) for c, w in self.continuations[:max_occurrences]]
+
+
+def test_sources_merge_into_one_prefix_tree_with_the_most_confident_estimate():
+    datastore = FixedSource(6, [([4, 5, 6], 3.0), ([4, 9], 1.0)])
+    drafter = started([1, 2, 3, 4, 5, 7, 1, 2, 3], datastore=datastore)
+    proposal = drafter.propose("r", 10)
+    check_tree(proposal)
+    context = drafter.calibrators["context"].confidence
+    store = drafter.calibrators["datastore"].confidence
+    by_path = {path_of(proposal, i): (proposal.probs[i], proposal.sources[i]) for i in range(len(proposal))}
+    # Both sources propose 4 first: one node, with the larger of the two calibrated estimates.
+    assert by_path[(4,)] == (pytest.approx(max(context(3), store(6))), "datastore")
+    # Below 4: context says 5 (1/1), the datastore 5 (3/4) or 9 (1/4).
+    p4 = by_path[(4,)][0]
+    assert by_path[(4, 5)][0] == pytest.approx(p4 * max(context(4), min(1.0, store(7) * 0.75)))
+    assert by_path[(4, 9)] == (pytest.approx(p4 * store(7) * 0.25), "datastore")
+    assert datastore.queries[-1] == [1, 2, 3, 4, 5, 7, 1, 2, 3]
+
+
+def test_each_source_learns_from_its_own_nodes():
+    datastore = FixedSource(2, [([50], 1.0)])
+    drafter = started([1, 2, 3, 4, 1, 2, 3], datastore=datastore)
+    context_before = drafter.calibrators["context"].confidence(3)
+    store_before = drafter.calibrators["datastore"].confidence(2)
+    for _ in range(20):
+        proposal = drafter.propose("r", 2)  # root children: 4 (context) and 50 (datastore)
+        accepted = [proposal.tokens.index(4)]
+        drafter.observe("r", proposal, accepted)
+    assert drafter.calibrators["context"].confidence(3) > context_before
+    assert drafter.calibrators["datastore"].confidence(2) < store_before
+    proposal = drafter.propose("r", 2)
+    assert proposal.tokens[0] == 4 and proposal.sources[0] == "context"
+
+
+def test_a_source_is_calibrated_only_on_the_nodes_it_labelled():
+    datastore = FixedSource(1, [([4], 1.0)])  # agrees with the context on 4, with a weaker estimate
+    drafter = started([1, 2, 3, 4, 1, 2, 3], datastore=datastore)
+    store_before = drafter.calibrators["datastore"].confidence(1)
+    context_before = drafter.calibrators["context"].confidence(3)
+    proposal = drafter.propose("r", 1)
+    assert proposal.tokens == (4,) and proposal.sources == ("context",)
+    drafter.observe("r", proposal, [0])
+    assert drafter.calibrators["context"].confidence(3) > context_before
+    assert drafter.calibrators["datastore"].confidence(1) == store_before
+
+
+def test_history_drafts_what_an_earlier_request_answered():
+    drafter = ReaderDrafter()
+    drafter.begin("first", [1, 2])
+    drafter.extend("first", [30, 31, 32, 33, 34])
+    drafter.end("first")
+    drafter.begin("second", [7, 8, 30, 31])
+    proposal = drafter.propose("second", 8)
+    assert proposal.tokens == (32, 33, 34)
+    assert set(proposal.sources) == {"history"}
+    assert drafter.source_names == ("context", "history")
+
+
+def test_sources_can_be_switched_off():
+    assert ReaderDrafter(history_tokens=0).source_names == ("context",)
+    only_store = ReaderDrafter(context=False, history_tokens=0, datastore=FixedSource(3, [([5, 6], 1.0)]))
+    only_store.begin("r", [1, 2, 3, 1, 2, 3])
+    proposal = only_store.propose("r", 4)
+    assert proposal.tokens == (5, 6) and set(proposal.sources) == {"datastore"}
+    with pytest.raises(ValueError):
+        ReaderDrafter(history_tokens=-1)

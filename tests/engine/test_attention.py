@@ -1,0 +1,137 @@
+"""Packed attention equals attention slot by slot; grouped-query attention equals transformers' ``sdpa``."""
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+import reader_spec.engine.attention as attention
+from reader_spec.engine.attention import (
+    PACKED_EAGER,
+    PACKED_SDPA,
+    grouped_sdpa_attention,
+    pack,
+    packed,
+    use_packed_attention,
+)
+from reader_spec.engine.runner import ModelRunner
+from reader_spec.engine.tree import DraftTree
+from tests.conftest import make_tiny_llama
+
+
+class Module(torch.nn.Module):
+    num_key_value_groups = 3
+    is_causal = True
+
+
+def inputs(queries: int, seed: int = 0):
+    torch.manual_seed(seed)
+    query = torch.randn(2, 6, queries, 8)
+    key, value = torch.randn(2, 2, 20, 8), torch.randn(2, 2, 20, 8)
+    allowed = torch.rand(2, 1, queries, 20) > 0.3
+    allowed[..., 0] = True
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    return query, key, value, mask
+
+
+@pytest.mark.parametrize("queries", [1, 2, 5, 16])
+def test_equals_sdpa(queries):
+    query, key, value, mask = inputs(queries)
+    ours, _ = grouped_sdpa_attention(Module(), query, key, value, mask, scaling=0.3)
+    theirs, _ = sdpa_attention_forward(Module(), query, key, value, mask, scaling=0.3)
+    assert ours.shape == theirs.shape == (2, queries, 6, 8)
+    assert (ours - theirs).abs().max() < 1e-6
+
+
+def test_takes_over_only_masked_multi_token_queries(monkeypatch):
+    calls = []
+    monkeypatch.setattr(attention, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or (None, None))
+    query, key, value, mask = inputs(4)
+    grouped_sdpa_attention(Module(), query, key, value, mask)
+    assert calls == []
+    grouped_sdpa_attention(Module(), query[:, :, :1], key, value, mask[:, :, :1])  # one token
+    grouped_sdpa_attention(Module(), query, key, value, None)  # causal, no mask
+    grouped_sdpa_attention(Module(), query, key, value, mask, softcap=30.0)
+    assert len(calls) == 3
+
+
+def shape(layout):
+    return [(g.first, g.count, g.width, g.kv_length, g.tokens, g.padding is not None) for g in layout.groups]
+
+
+def test_pack_groups_slots_by_cost():
+    widths, lengths = [1, 1, 4, 4, 1, 2], [10, 30, 5, 7, 2, 9]
+    # Free calls: every slot alone, attending to exactly its own keys.
+    assert shape(pack(widths, lengths, call_cost=0)) == [
+        (slot, 1, w, n + w, w, False) for slot, (w, n) in enumerate(zip(widths, lengths, strict=True))
+    ]
+    # Dear calls: everything in one padded group.
+    assert shape(pack(widths, lengths, call_cost=10**9)) == [(0, 6, 4, 34, 13, True)]
+    # Equal slots stay together whatever a call costs.
+    assert shape(pack([2] * 5, [40] * 5, call_cost=0)) == [(0, 5, 2, 42, 10, False)]
+    # One deep tree among lone roots is not worth padding 31 slots to 17 tokens of 600-token contexts,
+    # nor one long prompt worth 31 short ones attending over 2,000 masked keys.
+    assert shape(pack([1] * 31 + [17], [600] * 32)) == [
+        (0, 31, 1, 601, 31, False),
+        (31, 1, 17, 617, 17, False),
+    ]
+    assert shape(pack([1] * 32, [300] * 15 + [2000] + [300] * 16)) == [
+        (0, 15, 1, 301, 15, False),
+        (15, 1, 1, 2001, 1, False),
+        (16, 16, 1, 301, 16, False),
+    ]
+    # A lone extra token is: padding 2 query rows costs less than two more calls.
+    assert shape(pack([1, 2, 1], [600] * 3)) == [(0, 3, 2, 602, 4, True)]
+
+
+@pytest.mark.parametrize("call_cost", [0, 10**9, 30])
+def test_packed_equals_each_slot_alone(call_cost):
+    torch.manual_seed(3)
+    widths, lengths = [1, 1, 5, 2, 2, 1], [7, 19, 3, 12, 0, 15]
+    kv_length = max(n + w for n, w in zip(lengths, widths, strict=True))
+    query = torch.randn(1, 6, sum(widths), 8)
+    key, value = torch.randn(len(widths), 2, kv_length, 8), torch.randn(len(widths), 2, kv_length, 8)
+    allowed = torch.rand(len(widths), 1, max(widths), kv_length) > 0.3
+    allowed[..., 0] = True
+    for slot, (width, length) in enumerate(zip(widths, lengths, strict=True)):
+        allowed[slot, :, :, length + width :] = False  # as the runner's masks: nothing past its own tokens
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    layout = pack(widths, lengths, call_cost)
+    ours, _ = packed(grouped_sdpa_attention)(
+        Module(), query, key, value, mask, packed_layout=layout, scaling=0.3
+    )
+    assert layout.calls == 1
+    start = 0
+    for slot, (width, length) in enumerate(zip(widths, lengths, strict=True)):
+        keys = slice(0, length + width)
+        alone, _ = sdpa_attention_forward(
+            Module(),
+            query[:, :, start : start + width],
+            key[slot : slot + 1, :, keys],
+            value[slot : slot + 1, :, keys],
+            mask[slot : slot + 1, :, :width, keys],
+            scaling=0.3,
+        )
+        assert (ours[:, start : start + width] - alone).abs().max() < 1e-6
+        start += width
+
+
+def test_models_switch_to_it():
+    model = make_tiny_llama()
+    assert model.config._attn_implementation == PACKED_SDPA
+    model.set_attn_implementation("eager")
+    use_packed_attention(model)
+    assert model.config._attn_implementation == PACKED_EAGER
+    model.set_attn_implementation("flex_attention")
+    use_packed_attention(model)
+    assert model.config._attn_implementation == "flex_attention"  # left alone: verified slot by slot
+
+
+def test_a_model_that_ignores_the_layout_is_refused():
+    model = make_tiny_llama()
+    model.set_attn_implementation("sdpa")  # plain sdpa cannot honour a packed layout
+    runner = ModelRunner(model, num_slots=2, capacity=16)
+    runner.packed = True  # as if it claimed to
+    for slot in range(2):
+        runner.prefill(slot, [1, 2, 3])
+    with pytest.raises(RuntimeError, match="batch size 1"):
+        runner.verify([DraftTree([4, 5], [-1, 0]), DraftTree([6], [-1])])

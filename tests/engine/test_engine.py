@@ -1,0 +1,315 @@
+"""The engine loop on a tiny model: speculative output equals plain greedy decoding, always."""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+import torch
+
+from reader_spec.budget.costs import CostModel
+from reader_spec.config import GenerationConfig
+from reader_spec.drafters import ReaderDrafter
+from reader_spec.drafters.retrieval.datastore import Datastore
+from reader_spec.engine.loop import Engine
+from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal, chain_proposal
+
+FLAT_COSTS = CostModel(measure=lambda batch, drafted, context: dict.fromkeys(drafted, 1.0))
+"""Verification costs the same whatever it verifies, so every proposed node is verified."""
+
+NO_EOS = GenerationConfig(max_new_tokens=40, eos_token_ids=())
+
+
+def random_prompts(count: int, seed: int = 0, vocab: int = 90) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        phrase = [rng.randrange(2, vocab) for _ in range(rng.randint(2, 6))]
+        noise = [rng.randrange(2, vocab) for _ in range(rng.randint(1, 25))]
+        prompts.append(noise + phrase * rng.randint(1, 3) + noise[:3])
+    return prompts
+
+
+class ScriptedDrafter:
+    """Drafts from known reference continuations, corrupted at a given rate, as a two-branch tree."""
+
+    def __init__(self, references: list[list[int]], error_rate: float, prob: float = 0.9, seed: int = 0):
+        self.references, self.error_rate, self.prob = references, error_rate, prob
+        self.rng = random.Random(seed)
+        self.texts: dict = {}
+
+    def begin(self, request, prompt):
+        self.texts[request] = list(prompt)
+
+    def extend(self, request, tokens):
+        self.texts[request].extend(tokens)
+
+    def observe(self, request, proposal, accepted):
+        assert all(0 <= node < len(proposal) for node in accepted)
+
+    def end(self, request):
+        del self.texts[request]
+
+    def propose(self, request, max_nodes):
+        text = self.texts[request]
+        for reference in self.references:
+            if reference[: len(text)] == text:
+                upcoming = reference[len(text) : len(text) + max_nodes]
+                drafted = [
+                    t if self.rng.random() >= self.error_rate else self.rng.randrange(96) for t in upcoming
+                ]
+                if not drafted:
+                    return EMPTY_PROPOSAL
+                chain = chain_proposal(drafted, [self.prob ** (i + 1) for i in range(len(drafted))])
+                decoy = Proposal(((drafted[0] + 1) % 96,), (-1,), (0.01,))
+                merged = Proposal(
+                    chain.tokens + decoy.tokens, chain.parents + decoy.parents, chain.probs + decoy.probs
+                )
+                return merged.truncated(max_nodes)
+        return EMPTY_PROPOSAL
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(9)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny, prompts):
+    return Engine(tiny).generate(prompts, NO_EOS)
+
+
+def test_plain_engine_equals_transformers_generate(tiny, prompts, plain_outputs):
+    for prompt, output in zip(prompts, plain_outputs, strict=True):
+        reference = tiny.model.generate(
+            torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
+        assert output.tokens == reference
+        assert output.stats.mean_accepted == 1.0 and output.stats.drafted == 0
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_context_drafter_is_exact_at_any_batch_size(tiny, prompts, plain_outputs, batch_size):
+    engine = Engine(tiny, ReaderDrafter(), budget=8, costs=FLAT_COSTS)
+    outputs = engine.generate(prompts, NO_EOS, batch_size=batch_size)
+    assert [o.tokens for o in outputs] == [o.tokens for o in plain_outputs]
+    # The test only means something if drafts were verified and some were accepted.
+    assert sum(o.stats.accepted for o in outputs) > 20
+    for o in outputs:  # every accepted token is credited to the source that proposed it
+        assert sum(o.stats.accepted_by_source.values()) == o.stats.accepted
+        assert set(o.stats.accepted_by_source) <= {"context", "history"}
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_scripted_trees_are_exact_whatever_their_quality(
+    tiny, prompts, plain_outputs, error_rate, batch_size
+):
+    references = [p + o.tokens for p, o in zip(prompts, plain_outputs, strict=True)]
+    engine = Engine(tiny, ScriptedDrafter(references, error_rate), budget=6, costs=FLAT_COSTS)
+    outputs = engine.generate(prompts, NO_EOS, batch_size=batch_size)
+    assert [o.tokens for o in outputs] == [o.tokens for o in plain_outputs]
+    accepted = sum(o.stats.accepted for o in outputs)
+    if error_rate == 0.0:
+        # Perfect chains: every step accepts the whole chain unless the limit cuts it.
+        assert min(o.stats.mean_accepted for o in outputs) > 4
+    if error_rate == 1.0:
+        assert accepted < sum(o.stats.drafted for o in outputs) * 0.2
+
+
+def test_limits_cut_accepted_drafts(tiny, prompts, plain_outputs):
+    references = [p + o.tokens for p, o in zip(prompts, plain_outputs, strict=True)]
+    for max_new in (1, 2, 5, 13):
+        engine = Engine(tiny, ScriptedDrafter(references, 0.0), budget=8, costs=FLAT_COSTS)
+        config = GenerationConfig(max_new_tokens=max_new, eos_token_ids=())
+        for output, plain in zip(engine.generate(prompts, config, batch_size=4), plain_outputs, strict=True):
+            assert output.tokens == plain.tokens[:max_new]
+            assert output.finish_reason == "length"
+
+
+def test_eos_token_ends_each_sequence_where_plain_decoding_does(tiny, prompts, plain_outputs):
+    # Use a token the model emits often as end-of-sequence so sequences finish at different steps.
+    counts = {}
+    for o in plain_outputs:
+        for t in o.tokens:
+            counts[t] = counts.get(t, 0) + 1
+    eos = max(counts, key=counts.get)
+    config = GenerationConfig(max_new_tokens=40, eos_token_ids=(eos,))
+    plain = Engine(tiny).generate(prompts, config)
+    references = [p + o.tokens for p, o in zip(prompts, plain_outputs, strict=True)]
+    spec = Engine(tiny, ScriptedDrafter(references, 0.0), budget=8, costs=FLAT_COSTS).generate(
+        prompts, config, batch_size=3
+    )
+    assert [o.tokens for o in spec] == [o.tokens for o in plain]
+    finished_on_eos = [o for o in spec if o.finish_reason == "eos"]
+    assert finished_on_eos and all(o.tokens[-1] == eos for o in finished_on_eos)
+    assert len({len(o.tokens) for o in spec}) > 1  # finished at different steps
+
+
+def test_stop_string_cuts_text_and_tokens(tiny, prompts, plain_outputs):
+    plain = plain_outputs[0]
+    stop_token = plain.tokens[6]
+    stop = tiny.tokenizer.decode([stop_token])
+    first = plain.tokens.index(stop_token)
+    config = GenerationConfig(max_new_tokens=40, eos_token_ids=(), stop_strings=(stop,))
+    out = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS).generate([prompts[0]], config)[0]
+    assert out.finish_reason == "stop"
+    assert out.tokens == plain.tokens[: first + 1]
+    assert stop not in out.text
+
+
+def test_more_prompts_than_slots_keep_input_order(tiny, prompts, plain_outputs):
+    ids = [f"r{i}" for i in range(len(prompts))]
+    outputs = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS).generate(prompts, NO_EOS, batch_size=2, ids=ids)
+    assert [o.id for o in outputs] == ids
+    assert [o.tokens for o in outputs] == [o.tokens for o in plain_outputs]
+
+
+class HalfSureDrafter(ScriptedDrafter):
+    """Sure of its drafts for even requests, unsure for odd ones (the drafts themselves are good)."""
+
+    def propose(self, request, max_nodes):
+        proposal = super().propose(request, max_nodes)
+        if request % 2:
+            proposal = replace(proposal, probs=tuple(0.02 for _ in proposal.probs))
+        return proposal
+
+
+@pytest.mark.parametrize("call_cost", [0, 10**9])  # attention by runs of equal width, or all padded
+def test_batch_budget_gives_each_sequence_its_own_draft(tiny, prompts, plain_outputs, call_cost, monkeypatch):
+    import reader_spec.engine.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "pack", functools.partial(runner_module.pack, call_cost=call_cost))
+    references = [p + o.tokens for p, o in zip(prompts, plain_outputs, strict=True)]
+    linear = CostModel(measure=lambda batch, drafted, context: {d: 1.0 + 0.02 * d for d in drafted})
+    engine = Engine(tiny, HalfSureDrafter(references, 0.0), budget=6, costs=linear)
+    outputs = engine.generate(prompts, NO_EOS, batch_size=4)
+    assert [o.tokens for o in outputs] == [o.tokens for o in plain_outputs]
+    sure, unsure = outputs[0::2], outputs[1::2]
+    assert all(o.stats.drafted == 0 for o in unsure)
+    assert all(o.stats.mean_accepted > 3 for o in sure)
+
+
+def test_weak_drafts_are_not_verified(tiny, prompts, plain_outputs):
+    references = [p + o.tokens for p, o in zip(prompts, plain_outputs, strict=True)]
+    steep = CostModel(measure=lambda batch, drafted, context: {d: 2.0 + d for d in drafted})
+    engine = Engine(tiny, ScriptedDrafter(references, 0.0, prob=0.05), budget=8, costs=steep)
+    outputs = engine.generate(prompts[:2], NO_EOS)
+    assert sum(o.stats.drafted for o in outputs) == 0
+    assert [o.tokens for o in outputs] == [o.tokens for o in plain_outputs[:2]]
+
+
+def test_single_token_prompt_and_text_and_chat_prompts(tiny):
+    engine = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS)
+    config = GenerationConfig(max_new_tokens=5, eos_token_ids=())
+    single = engine.generate([[7]], config)[0]
+    text = engine.generate(["w7"], config)[0]
+    chat = engine.generate([[{"role": "user", "content": "w7 w8"}]], config)[0]
+    assert single.tokens == text.tokens and len(single.tokens) == 5
+    assert len(chat.tokens) == 5 and chat.stats.prompt_tokens == 4
+
+
+def test_invalid_arguments(tiny):
+    with pytest.raises(ValueError):
+        Engine(tiny, budget=-1)
+    with pytest.raises(ValueError):
+        Engine(tiny).generate([[1, 2]], batch_size=0)
+    with pytest.raises(ValueError):
+        GenerationConfig(max_new_tokens=0)
+
+
+# --- sampling: seeded output depends only on the request and its seed ---------------------------------
+SAMPLED = [
+    GenerationConfig(max_new_tokens=40, eos_token_ids=(), temperature=0.7, top_p=0.9, seed=1),
+    GenerationConfig(max_new_tokens=40, eos_token_ids=(), temperature=1.0, top_p=0.9, seed=2),
+    GenerationConfig(
+        max_new_tokens=40, eos_token_ids=(), temperature=0.8, top_k=12, repetition_penalty=1.2, seed=3
+    ),
+]
+MIXED = [NO_EOS, *SAMPLED]
+"""Per-request settings for a mixed batch: one greedy request and three sampled ones."""
+
+
+def mixed_configs(count: int) -> list[GenerationConfig]:
+    return [MIXED[i % len(MIXED)] for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def plain_sampled(tiny, prompts):
+    return Engine(tiny).generate(prompts, mixed_configs(len(prompts)))
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.3])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_seeded_sampling_equals_plain_sampling_for_any_tree_and_batch(
+    tiny, prompts, plain_sampled, error_rate, batch_size
+):
+    references = [p + o.tokens for p, o in zip(prompts, plain_sampled, strict=True)]
+    engine = Engine(tiny, ScriptedDrafter(references, error_rate), budget=6, costs=FLAT_COSTS)
+    outputs = engine.generate(prompts, mixed_configs(len(prompts)), batch_size=batch_size)
+    assert [o.tokens for o in outputs] == [o.tokens for o in plain_sampled]
+    if error_rate == 0.0:
+        assert min(o.stats.mean_accepted for o in outputs) > 4
+
+
+def test_sampled_output_ignores_the_rest_of_the_batch(tiny, prompts, plain_sampled):
+    """The same request, batched with different companions and settings, emits the same tokens."""
+    target, config = prompts[1], SAMPLED[0]
+    expected = plain_sampled[1].tokens
+    engine = Engine(tiny, ReaderDrafter(), budget=6, costs=FLAT_COSTS)
+    for companions in (prompts[2:5], prompts[5:9], [prompts[0]] * 3):
+        batch = [*companions[:1], target, *companions[1:]]
+        configs = [SAMPLED[2], config, *[NO_EOS] * (len(batch) - 2)]
+        outputs = engine.generate(batch, configs, batch_size=len(batch))
+        assert outputs[1].tokens == expected
+
+
+def test_sampling_depends_on_the_seed_and_is_fresh_without_one(tiny, prompts):
+    engine = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS)
+    seeded = GenerationConfig(max_new_tokens=30, eos_token_ids=(), temperature=1.0, seed=5)
+    runs = [engine.generate([prompts[0]], seeded)[0].tokens for _ in range(2)]
+    other_seed = engine.generate([prompts[0]], replace(seeded, seed=6))[0].tokens
+    unseeded = GenerationConfig(max_new_tokens=30, eos_token_ids=(), temperature=1.0)
+    fresh = [engine.generate([prompts[0]], unseeded)[0].tokens for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert other_seed != runs[0]
+    assert fresh[0] != fresh[1]
+
+
+def test_greedy_with_repetition_penalty_equals_transformers(tiny, prompts):
+    config = GenerationConfig(max_new_tokens=30, eos_token_ids=(), repetition_penalty=1.3)
+    outputs = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS).generate(prompts[:4], config, batch_size=2)
+    for prompt, output in zip(prompts[:4], outputs, strict=True):
+        reference = tiny.model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=30,
+            do_sample=False,
+            repetition_penalty=1.3,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
+        assert output.tokens == reference
+
+
+def test_per_request_configs_must_match_the_prompts(tiny, prompts):
+    with pytest.raises(ValueError, match="2 generation configs for 3 prompts"):
+        Engine(tiny).generate(prompts[:3], [NO_EOS, NO_EOS])
+
+
+def test_all_sources_on_are_exact_and_each_is_credited(tiny, prompts, plain_outputs, tmp_path):
+    """A datastore of the model's own answers drafts most tokens; greedy and sampled output stay exact."""
+    answers = [p + o.tokens for p, o in zip(prompts, plain_outputs, strict=True)]
+    store = Datastore.build(tmp_path / "store", answers, fingerprint=tiny.fingerprint, model=tiny.name)
+    engine = Engine(tiny, ReaderDrafter(datastore=store), budget=8, costs=FLAT_COSTS)
+    greedy = engine.generate(prompts, NO_EOS, batch_size=3)
+    assert [o.tokens for o in greedy] == [o.tokens for o in plain_outputs]
+    credited = Counter()
+    for o in greedy:
+        credited.update(o.stats.accepted_by_source)
+    assert credited["datastore"] > sum(o.stats.new_tokens for o in greedy) / 2
+    sampled = engine.generate(prompts, mixed_configs(len(prompts)), batch_size=4)
+    plain = Engine(tiny).generate(prompts, mixed_configs(len(prompts)))
+    assert [o.tokens for o in sampled] == [o.tokens for o in plain]

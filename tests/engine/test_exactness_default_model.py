@@ -1,0 +1,154 @@
+"""End to end on the default model: speculative output equals plain output, greedy and sampled.
+
+The drafter has every source on: the request's own text, earlier responses, and a corpus datastore.
+
+40 Spec-Bench prompts covering all 13 categories, 128 new tokens each, at batch 1 and at batch 8
+with categories (and so prompt lengths) mixed in every batch, against plain decoding of the same
+prompts 8 at a time in reverse order (other companions than in any speculative run), itself checked
+against ``transformers``' generate. Seeded sampling (temperatures 0.7 and 1.0, top-p 0.9) is compared
+the same way, every prompt at both temperatures. A mismatch is tolerated only where float rounding
+between a 1-token and an N-token forward can flip the decision: the gap between the two best
+candidates (logits, plus the Gumbel noise when sampling) at the first differing position must be
+below ``NEAR_TIE``, and every such case is printed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reader_spec.bench.spec_bench import interleave_categories, load_questions, per_category
+from reader_spec.config import GenerationConfig
+from reader_spec.drafters import ReaderDrafter
+from reader_spec.drafters.retrieval.datastore import Datastore
+from reader_spec.engine.loop import Engine
+from reader_spec.engine.sampling import gumbel_noise, support
+from reader_spec.prompts import encode_prompt
+
+pytestmark = pytest.mark.model
+
+NEAR_TIE = 1e-3
+CONFIG = GenerationConfig(max_new_tokens=128)
+NEAR_TIES: list[str] = []
+COMPARED: list[str] = []
+
+
+@pytest.fixture(scope="module")
+def questions():
+    chosen = interleave_categories(per_category(load_questions(), limit=4))[:40]
+    assert len({q.category for q in chosen}) == 13
+    return chosen
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm, questions):
+    return [encode_prompt(smollm.tokenizer, q.messages) for q in questions]
+
+
+@pytest.fixture(scope="module")
+def drafter(smollm, tmp_path_factory):
+    """Every source on: the request's text, earlier responses, and a datastore of all Spec-Bench turns."""
+    turns = [smollm.tokenizer(turn)["input_ids"] for q in load_questions() for turn in q.turns]
+    store = Datastore.build(
+        tmp_path_factory.mktemp("store") / "spec-bench",
+        turns,
+        fingerprint=smollm.fingerprint,
+        model=smollm.name,
+    )
+    return lambda: ReaderDrafter(datastore=store)
+
+
+@pytest.fixture(scope="module")
+def plain(smollm, prompts):
+    """Plain decoding, 8 at a time in reverse order: other companions than in the speculative runs."""
+    return [o.tokens for o in Engine(smollm).generate(prompts[::-1], CONFIG, batch_size=8)][::-1]
+
+
+def decision_gap(model, tokens: list[int], config: GenerationConfig) -> float:
+    """How far the chosen token at the end of ``tokens`` is ahead of the runner-up."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0, -1]
+    if config.greedy:
+        top = logits.topk(2).values
+    else:
+        candidates, scores = support(logits, config)
+        if len(candidates) < 2:
+            return float("inf")
+        noisy = scores.double() + torch.from_numpy(gumbel_noise(config.seed, len(tokens), candidates.numpy()))
+        top = noisy.topk(2).values
+    return float(top[0] - top[1])
+
+
+def assert_same_or_near_tie(smollm, prompts, questions, reference, outputs, label, configs=None):
+    mismatches = []
+    COMPARED.append(f"{label} ({len(outputs)} prompts)")
+    configs = configs or [CONFIG] * len(outputs)
+    for prompt, q, want, got, config in zip(prompts, questions, reference, outputs, configs, strict=True):
+        if want == got:
+            continue
+        pairs = enumerate(zip(want, got, strict=False))
+        first = next((i for i, (a, b) in pairs if a != b), min(len(want), len(got)))
+        gap = decision_gap(smollm.model, prompt + want[:first], config)
+        report = f"{label}: question {q.id} ({q.category}) differs at token {first}, decision gap {gap:.2e}"
+        NEAR_TIES.append(report)
+        print(report)
+        if gap >= NEAR_TIE:
+            mismatches.append(report)
+    assert not mismatches, "\n".join(mismatches)
+
+
+def test_plain_engine_equals_transformers_generate(smollm, prompts, plain):
+    for prompt, tokens in list(zip(prompts, plain, strict=True))[:5]:
+        generated = smollm.model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=128,
+            do_sample=False,
+        )[0, len(prompt) :].tolist()
+        assert generated == tokens
+
+
+def test_speculative_batch_1_equals_plain(smollm, prompts, questions, plain, drafter):
+    outputs = Engine(smollm, drafter()).generate(prompts, CONFIG, batch_size=1)
+    assert_same_or_near_tie(smollm, prompts, questions, plain, [o.tokens for o in outputs], "batch 1")
+    assert sum(o.stats.accepted for o in outputs) > 200  # drafts were really verified and accepted
+
+
+def test_speculative_batch_8_mixed_equals_plain(smollm, prompts, questions, plain, drafter):
+    outputs = Engine(smollm, drafter()).generate(prompts, CONFIG, batch_size=8)
+    assert_same_or_near_tie(smollm, prompts, questions, plain, [o.tokens for o in outputs], "batch 8")
+    assert sum(o.stats.accepted for o in outputs) > 200
+
+
+# --- seeded sampling ----------------------------------------------------------------------------------
+TEMPERATURES = (0.7, 1.0)
+
+
+def sampled_configs(questions, shift: int) -> list[GenerationConfig]:
+    """Alternating temperatures (top-p 0.9), one seed per question; ``shift`` swaps the assignment."""
+    return [
+        GenerationConfig(max_new_tokens=128, temperature=TEMPERATURES[(i + shift) % 2], top_p=0.9, seed=q.id)
+        for i, q in enumerate(questions)
+    ]
+
+
+@pytest.fixture(scope="module")
+def plain_sampled(smollm, prompts, questions):
+    """Plain sampling of every prompt at both temperatures, 8 at a time, in reverse order so that each
+    request has other companions than in the speculative runs."""
+    configs = sampled_configs(questions, 0) + sampled_configs(questions, 1)
+    outputs = Engine(smollm).generate((prompts + prompts)[::-1], configs[::-1], batch_size=8)[::-1]
+    tokens = [o.tokens for o in outputs]
+    return tokens[: len(prompts)], tokens[len(prompts) :]
+
+
+@pytest.mark.parametrize(("batch_size", "shift"), [(1, 0), (8, 1)])
+def test_seeded_sampling_equals_plain_sampling(
+    smollm, prompts, questions, plain_sampled, drafter, batch_size, shift
+):
+    configs = sampled_configs(questions, shift)
+    outputs = Engine(smollm, drafter()).generate(prompts, configs, batch_size=batch_size)
+    label = f"sampling batch {batch_size}"
+    got = [o.tokens for o in outputs]
+    assert_same_or_near_tie(smollm, prompts, questions, plain_sampled[shift], got, label, configs)
+    assert sum(o.stats.accepted for o in outputs) > 100

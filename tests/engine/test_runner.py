@@ -1,0 +1,149 @@
+"""Tree verification through the model's own forward equals sequential decoding, for each family."""
+
+import functools
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
+
+import reader_spec.engine.runner as runner_module
+from reader_spec.engine.attention import PACKED_EAGER, PACKED_SDPA
+from reader_spec.engine.runner import ModelRunner, sliding_window_of
+from reader_spec.engine.tree import DraftTree
+
+VOCAB = 64
+SMALL = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2
+)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**SMALL, num_hidden_layers=2),
+    "qwen2": lambda: Qwen2Config(**SMALL, num_hidden_layers=2),
+    # A window of 6 is far shorter than the contexts below, so the sliding layers really slide.
+    "gemma3": lambda: Gemma3TextConfig(
+        **SMALL,
+        num_hidden_layers=4,
+        head_dim=8,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
+}
+TOL = 1e-5
+
+
+ATTENTIONS = ("sdpa", "eager", PACKED_SDPA, PACKED_EAGER)  # the plain ones verify slot by slot
+
+
+@pytest.fixture(scope="module", params=[(f, a) for f in sorted(CONFIGS) for a in ATTENTIONS])
+def model(request):
+    family, attention = request.param
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
+    model.set_attn_implementation(attention)
+    return model
+
+
+def full_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+def random_tree_on_path(path_tokens, rng):
+    """A tree whose main path is ``path_tokens`` plus decoy branches hanging off it."""
+    tokens, parents, on_path = [path_tokens[0]], [-1], [0]
+    for token in path_tokens[1:]:
+        for _ in range(int(rng.integers(0, 3))):
+            tokens.append(int(rng.integers(0, VOCAB)))
+            parents.append(int(rng.choice(on_path)))
+        tokens.append(token)
+        parents.append(on_path[-1])
+        on_path.append(len(tokens) - 1)
+    return DraftTree(tokens, parents), on_path
+
+
+def test_sliding_window_detection(model):
+    expected = 6 if model.config.model_type == "gemma3_text" else None
+    assert sliding_window_of(model.config) == expected
+
+
+def test_prefill_and_tree_logits_match_sequential(model):
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, VOCAB, 30).tolist()
+    reference = full_logits(model, tokens)
+    runner = ModelRunner(model, num_slots=1, capacity=4)  # forces the cache to grow
+    last = runner.prefill(0, tokens[:12])
+    assert (last - reference[11]).abs().max() < TOL
+    position = 12
+    while position < 28:
+        path = tokens[position : position + 5]
+        tree, on_path = random_tree_on_path(path, rng)
+        logits = runner.verify([tree])[0]
+        for depth, node in enumerate(on_path):
+            assert (logits[node] - reference[position + depth]).abs().max() < TOL
+        keep = int(rng.integers(1, len(on_path) + 1))
+        runner.cache.commit(0, on_path[:keep])
+        assert int(runner.cache.lengths[0]) == position + keep
+        position += keep
+
+
+@pytest.mark.parametrize("call_cost", [0, 10**9])  # attention by runs of equal width, or all padded
+def test_ragged_batch_matches_each_sequence_alone(model, call_cost, monkeypatch):
+    """Trees of unequal widths, lone roots among them, side by side and in runs of equal width."""
+    import numpy as np
+
+    monkeypatch.setattr(runner_module, "pack", functools.partial(runner_module.pack, call_cost=call_cost))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 17, 9, 12, 8, 20, 5)]
+    drafted = [4, 0, 0, 6, 1, 1, 3]  # path tokens after the root, plus decoys hanging off them
+    references = [full_logits(model, p) for p in prompts]
+    runner = ModelRunner(model, num_slots=len(prompts), capacity=32)
+    lengths = [len(p) - 1 - d for p, d in zip(prompts, drafted, strict=True)]
+    for slot, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
+        runner.prefill(slot, prompt[:n])
+    trees, paths = zip(
+        *(
+            random_tree_on_path(p[n:], rng) if d else (DraftTree([p[n]], [-1]), [0])
+            for p, n, d in zip(prompts, lengths, drafted, strict=True)
+        ),
+        strict=True,
+    )
+    logits = runner.verify(list(trees))
+    for b in range(len(prompts)):
+        assert logits[b].shape[0] == len(trees[b])
+        for depth, node in enumerate(paths[b]):
+            assert (logits[b][node] - references[b][lengths[b] + depth]).abs().max() < TOL
+
+
+def test_move_slot_keeps_a_sequence_decodable(model):
+    tokens = list(range(5, 25))
+    reference = full_logits(model, tokens)
+    runner = ModelRunner(model, num_slots=2, capacity=32)
+    runner.prefill(0, tokens[:3])
+    runner.prefill(1, tokens[:10])
+    runner.cache.move_slot(1, 0)
+    logits = runner.verify([DraftTree(tokens[10:13], [-1, 0, 1])])[0]
+    assert (logits - reference[10:13]).abs().max() < TOL
+
+
+def test_chunked_prefill_matches(model, monkeypatch):
+    monkeypatch.setattr(runner_module, "PREFILL_CHUNK", 4)
+    tokens = list(range(1, 19))
+    runner = ModelRunner(model, num_slots=1, capacity=32)
+    last = runner.prefill(0, tokens)
+    assert (last - full_logits(model, tokens)[-1]).abs().max() < TOL
+
+
+def test_steps_write_in_place_without_reallocating(model):
+    runner = ModelRunner(model, num_slots=2, capacity=64)
+    runner.prefill(0, [1, 2, 3, 4])
+    runner.prefill(1, [5, 6])
+    layer = runner.cache.layers[0]
+    pointers = (layer.keys.data_ptr(), layer.values.data_ptr())
+    for _ in range(5):
+        tree = DraftTree([7, 8, 9], [-1, 0, 0])
+        runner.verify([tree, tree])
+        runner.cache.commit(0, [0, 2])
+        runner.cache.commit(1, [0])
+    assert (layer.keys.data_ptr(), layer.values.data_ptr()) == pointers
+    assert runner.cache.lengths[:2].tolist() == [14, 7]
