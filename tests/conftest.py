@@ -9,7 +9,6 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-from reader_spec.engine.attention import use_packed_attention
 from reader_spec.loading import LoadedModel, tokenizer_fingerprint
 
 TINY_VOCAB = 96
@@ -38,9 +37,7 @@ def make_tiny_llama(vocab_size: int = TINY_VOCAB, seed: int = 0):
         eos_token_id=1,
         bos_token_id=0,
     )
-    model = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
-    use_packed_attention(model)  # as load_model does
-    return model
+    return AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,6 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
 )
 
-from reader_spec.engine.attention import use_packed_attention
 from reader_spec.files import cache_root, file_sha256, write_atomic
 
 log = logging.getLogger(__name__)
@@ -103,7 +102,6 @@ def load_model(
     source, name = _resolve(model, cache_dir)
     loaded = _load_pretrained(source, name, dtype)
     loaded.model.to(device).eval().requires_grad_(False)
-    use_packed_attention(loaded.model)
     return loaded
 
 

@@ -349,7 +349,8 @@ def test_cli_bench_selects_questions_by_id_parity(capsys, tiny_llama_dir, suite,
 
 
 @pytest.mark.parametrize(
-    ("methods", "message"), [("hf-assisted", "needs --draft-model"), ("ar,nope", "unknown methods nope")]
+    ("methods", "message"),
+    [("hf-assisted", "needs a draft model (--draft-model)"), ("ar,nope", "unknown methods nope")],
 )
 def test_cli_method_errors_come_before_loading(capsys, suite, methods, message):
     code = main(["bench", "--model", "/no/such/model", "--suite", str(suite), "--methods", methods])

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from reader_spec import replay
+from reader_spec.bench import replay
 from reader_spec.bench.replay import (
     Conversation,
     ReplayError,
@@ -122,17 +122,17 @@ def test_oracle_accepts_the_whole_budget_and_stops_at_the_turn_end():
     tokens = [1, 2, 3, *recorded, 4, 5, 6]
     stats = replay_turn(Oracle(tokens), "r", tokens[:3], recorded, budget=3)
     # Steps emit 3 accepted + 1 bonus, 3 + 1, then the last 2 (both drafted and accepted, no bonus).
-    assert (stats.steps, stats.tokens, stats.accepted, stats.drafted) == (3, 10, 8, 9)
+    assert (stats.steps, stats.new_tokens, stats.accepted, stats.drafted) == (3, 10, 8, 9)
     assert stats.mean_accepted == pytest.approx(10 / 3)
 
 
 def test_empty_and_wrong_drafters_score_exactly_one():
     recorded = [7, 8, 9, 7, 8]
     empty = replay_turn(Fixed(EMPTY_PROPOSAL), "r", [1, 2], recorded, budget=4)
-    assert (empty.steps, empty.tokens, empty.accepted, empty.drafted) == (5, 5, 0, 0)
+    assert (empty.steps, empty.new_tokens, empty.accepted, empty.drafted) == (5, 5, 0, 0)
     assert empty.mean_accepted == 1.0 and empty.drafted_per_accepted is None
     wrong = replay_turn(Fixed(chain_proposal([90, 91, 92], [0.5] * 3)), "r", [1, 2], recorded, budget=2)
-    assert (wrong.steps, wrong.tokens, wrong.accepted, wrong.drafted) == (5, 5, 0, 10)
+    assert (wrong.steps, wrong.new_tokens, wrong.accepted, wrong.drafted) == (5, 5, 0, 10)
     assert wrong.mean_accepted == 1.0
 
 
@@ -140,7 +140,7 @@ def test_trees_accept_along_the_branch_that_follows_the_recording():
     # Root children 90 (likelier, wrong) and 7; below 7: 8 then 50 (wrong) -> accepts 7 8, bonus 9.
     tree = Proposal((90, 7, 8, 50), (-1, -1, 1, 2), (0.9, 0.5, 0.4, 0.3))
     stats = replay_turn(Fixed(tree), "r", [1], [7, 8, 9], budget=4)
-    assert (stats.steps, stats.tokens, stats.accepted, stats.drafted) == (1, 3, 2, 4)
+    assert (stats.steps, stats.new_tokens, stats.accepted, stats.drafted) == (1, 3, 2, 4)
     cut = replay_turn(Fixed(tree), "r", [1], [7, 8, 9], budget=2)  # the budget keeps 90 and 7 only
     assert (cut.steps, cut.accepted) == (2, 1)
 
@@ -171,8 +171,8 @@ def test_run_replay_keeps_one_drafter_per_method_across_turns(tmp_path):
     assert [c[2] for c in begins] == [3, 9, 3, 9]  # contexts: before turn 1, before turn 2, twice
     assert len({c[1] for c in begins}) == 4 and recorder.calls[1] == ("end", begins[0][1])
     oracle, none = report.methods["oracle"], report.methods["none"]
-    assert (oracle.tasks, oracle.turns, oracle.tokens) == (2, 4, 14)
-    assert oracle.steps == 2 * (2 + 1) and none.steps == none.tokens == 14
+    assert (oracle.tasks, oracle.turns, oracle.new_tokens) == (2, 4, 14)
+    assert oracle.steps == 2 * (2 + 1) and none.steps == none.new_tokens == 14
     assert report.settings["turns"] == 4 and report.settings["tokens"] == 14
     assert [t["id"] for t in report.tasks] == ["hand", "hand"]
     assert sum(t["oracle"]["steps"] for t in report.tasks) == oracle.steps

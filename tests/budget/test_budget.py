@@ -1,17 +1,19 @@
 import pytest
+import torch
 
-import reader_spec.budget.costs as budget
+import reader_spec.budget.probe as probe
+from reader_spec.budget.allocation import allocate
 from reader_spec.budget.costs import (
+    DENSE_TOKENS,
     LONG_CONTEXT,
     PROBE_CONTEXT,
     CostModel,
-    allocate,
-    fixed_allocation,
     load_costs,
     probe_points,
+    probed_batches,
     save_costs,
-    time_interleaved,
 )
+from reader_spec.budget.probe import probe_verify, time_interleaved
 from reader_spec.engine.tree import EMPTY_PROPOSAL, chain_proposal
 
 # Shaped like this machine's measured batch-1 curve (seconds by draft tokens): 7 drafts, 8 tree
@@ -48,7 +50,7 @@ def test_interpolates_draft_counts_and_batches():
     assert model.table(3, 9) == [model.seconds(3, d) for d in range(10)]
 
 
-def test_measures_lazily_and_persists(tmp_path):
+def test_calibration_measures_missing_curves_once_and_persists(tmp_path):
     calls = []
     path = tmp_path / "c.json"
 
@@ -57,12 +59,38 @@ def test_measures_lazily_and_persists(tmp_path):
         return {d: 0.01 * (d + 1) * context / PROBE_CONTEXT for d in drafted}
 
     model = CostModel(measure=measure, budget=4, path=path)
+    with pytest.raises(KeyError, match="calibrate"):
+        model.seconds(2, 3)  # lookups never measure
+    assert calls == []
+    progress = []
+    model.calibrate(2, progress=lambda done, total: progress.append((done, total)))
+    # Per batch size, every total the budget allows; at the long context no draft and two per sequence.
+    assert calls == [
+        (1, list(range(5)), PROBE_CONTEXT),
+        (1, [0, 2], LONG_CONTEXT),
+        (2, list(range(9)), PROBE_CONTEXT),
+        (2, [0, 4], LONG_CONTEXT),
+    ]
+    assert progress == [(1, 4), (2, 4), (3, 4), (4, 4)]
     assert model.seconds(2, 3) == pytest.approx(0.04)
-    # One curve, every total the budget allows; at the long context no draft and two per sequence.
-    assert calls == [(2, list(range(9)), PROBE_CONTEXT), (2, [0, 4], LONG_CONTEXT)]
     assert load_costs(path) == model.samples
-    model.seconds(2, 5)
-    assert len(calls) == 2
+    model.calibrate(2)
+    assert len(calls) == 4 and model.missing(2) == []
+    assert [batch for batch, _, _ in model.missing(3)] == [4, 4]
+
+
+def test_batches_probed_cover_every_batch_size_by_interpolation():
+    assert probed_batches(1) == [1]
+    assert probed_batches(3) == [1, 2, 4]
+    assert probed_batches(8) == [1, 2, 4, 8]
+
+
+def test_probing_leaves_the_global_random_state_alone(tiny):
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    probe_verify(tiny.model, 2, [0, 2], 8)
+    assert torch.equal(torch.rand(3), expected)
 
 
 def test_cost_grows_with_context_as_measured_at_the_long_context():
@@ -81,7 +109,7 @@ def test_cost_grows_with_context_as_measured_at_the_long_context():
 
 
 def test_probes_every_total_up_to_the_dense_limit_then_sparse_ones_up_to_the_budget():
-    dense = budget.DENSE_TOKENS
+    dense = DENSE_TOKENS
     assert probe_points(1, 3) == [0, 1, 2, 3]
     assert probe_points(1, 16) == list(range(17))
     assert probe_points(1, 100) == [*range(dense), 47, 63, 95, 100]  # the budget's own maximum last
@@ -102,7 +130,7 @@ def test_a_staircase_curve_is_priced_where_it_was_measured():
 def test_interleaved_timing_alternates_order_and_skips_the_warm_up(monkeypatch):
     order = []
     clock = iter(range(1000))
-    monkeypatch.setattr(budget.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(probe.time, "perf_counter", lambda: next(clock))
     times = time_interleaved({1: lambda: order.append(1), 2: lambda: order.append(2)}, rounds=3)
     assert order == [2, 1, 1, 2, 2, 1, 1, 2]  # warm-up round first, then alternating
     assert times == {1: 1, 2: 1}
@@ -121,7 +149,7 @@ def test_interleaved_timing_keeps_each_calls_fastest_round(monkeypatch):
     def call():
         now[0] += next(durations)
 
-    monkeypatch.setattr(budget.time, "perf_counter", clock)
+    monkeypatch.setattr(probe.time, "perf_counter", clock)
     times = time_interleaved({1: call, 2: call}, rounds=4)
     assert times == {1: 5, 2: 1}  # the medians would be 7 and 6
 
@@ -181,8 +209,3 @@ def test_total_draft_follows_the_batchs_spare_compute():
     # Long contexts make the pass dearer, the same drafts relatively cheaper: more of them pay.
     with_context = CostModel({PROBE_CONTEXT: {8: {0: 1.0, 64: 4.0}}, LONG_CONTEXT: {8: {0: 3.0, 16: 3.75}}})
     assert sum(allocate(proposals, with_context, 8, LONG_CONTEXT)) > sum(allocate(proposals, with_context, 8))
-
-
-def test_fixed_allocation_uses_the_budget():
-    weak = chain_proposal(range(16), [0.05] * 16)
-    assert fixed_allocation([weak, EMPTY_PROPOSAL], costs(), 8) == [8, 0]

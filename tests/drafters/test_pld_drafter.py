@@ -10,7 +10,7 @@ from reader_spec.drafters.base import Drafter
 from reader_spec.drafters.pld import CONFIDENCE, SOURCE, PromptLookupDrafter
 from reader_spec.engine.loop import Engine
 from reader_spec.engine.tree import EMPTY_PROPOSAL
-from tests.test_engine import NO_EOS, random_prompts
+from tests.engine.test_engine import NO_EOS, random_prompts
 
 
 def brute_lookup(text: list[int], num_tokens: int, max_ngram: int, min_ngram: int) -> list[int]:

@@ -21,7 +21,7 @@ from reader_spec.drafters.base import Drafter
 from reader_spec.drafters.suffix import SOURCE, SuffixDecodingDrafter, TokenCorpus
 from reader_spec.engine.loop import Engine
 from reader_spec.engine.tree import EMPTY_PROPOSAL
-from tests.test_engine import NO_EOS, random_prompts
+from tests.engine.test_engine import NO_EOS, random_prompts
 
 
 class TrieNode:

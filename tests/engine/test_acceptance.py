@@ -16,7 +16,7 @@ from reader_spec.config import GenerationConfig
 from reader_spec.engine.acceptance import GreedyRule, SamplingRule, rule_for
 from reader_spec.engine.sampling import pick, support
 from reader_spec.engine.tree import DraftTree
-from tests.test_sampling import reference_log_probs
+from tests.engine.test_sampling import reference_log_probs
 
 VOCAB = 10
 HISTORY = [7, 8, 9, 7]

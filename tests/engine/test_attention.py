@@ -6,12 +6,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import reader_spec.engine.attention as attention
 from reader_spec.engine.attention import (
+    ATTENTION_CALL_COST,
     PACKED_EAGER,
     PACKED_SDPA,
     grouped_sdpa_attention,
     pack,
     packed,
-    use_packed_attention,
 )
 from reader_spec.engine.runner import ModelRunner
 from reader_spec.engine.tree import DraftTree
@@ -58,29 +58,42 @@ def shape(layout):
     return [(g.first, g.count, g.width, g.kv_length, g.tokens, g.padding is not None) for g in layout.groups]
 
 
+def pack_rows(widths, lengths, call_cost=ATTENTION_CALL_COST):
+    """Trees in consecutive cache rows from row 0."""
+    return pack(widths, lengths, list(range(len(widths))), call_cost)
+
+
 def test_pack_groups_slots_by_cost():
     widths, lengths = [1, 1, 4, 4, 1, 2], [10, 30, 5, 7, 2, 9]
     # Free calls: every slot alone, attending to exactly its own keys.
-    assert shape(pack(widths, lengths, call_cost=0)) == [
+    assert shape(pack_rows(widths, lengths, call_cost=0)) == [
         (slot, 1, w, n + w, w, False) for slot, (w, n) in enumerate(zip(widths, lengths, strict=True))
     ]
     # Dear calls: everything in one padded group.
-    assert shape(pack(widths, lengths, call_cost=10**9)) == [(0, 6, 4, 34, 13, True)]
+    assert shape(pack_rows(widths, lengths, call_cost=10**9)) == [(0, 6, 4, 34, 13, True)]
     # Equal slots stay together whatever a call costs.
-    assert shape(pack([2] * 5, [40] * 5, call_cost=0)) == [(0, 5, 2, 42, 10, False)]
+    assert shape(pack_rows([2] * 5, [40] * 5, call_cost=0)) == [(0, 5, 2, 42, 10, False)]
     # One deep tree among lone roots is not worth padding 31 slots to 17 tokens of 600-token contexts,
     # nor one long prompt worth 31 short ones attending over 2,000 masked keys.
-    assert shape(pack([1] * 31 + [17], [600] * 32)) == [
+    assert shape(pack_rows([1] * 31 + [17], [600] * 32)) == [
         (0, 31, 1, 601, 31, False),
         (31, 1, 17, 617, 17, False),
     ]
-    assert shape(pack([1] * 32, [300] * 15 + [2000] + [300] * 16)) == [
+    assert shape(pack_rows([1] * 32, [300] * 15 + [2000] + [300] * 16)) == [
         (0, 15, 1, 301, 15, False),
         (15, 1, 1, 2001, 1, False),
         (16, 16, 1, 301, 16, False),
     ]
     # A lone extra token is: padding 2 query rows costs less than two more calls.
-    assert shape(pack([1, 2, 1], [600] * 3)) == [(0, 3, 2, 602, 4, True)]
+    assert shape(pack_rows([1, 2, 1], [600] * 3)) == [(0, 3, 2, 602, 4, True)]
+
+
+def test_groups_never_span_a_free_cache_row():
+    layout = pack([1, 1, 1, 1, 1], [10] * 5, [0, 1, 3, 4, 5], call_cost=10**9)
+    assert [(g.first, g.first_row, g.count) for g in layout.groups] == [(0, 0, 2), (2, 3, 3)]
+    # Rows counted from the pass's first row: the span of rows 4..7 starts at row 4.
+    layout = pack([2, 1], [10, 10], [4, 7])
+    assert [(g.first, g.first_row, g.count) for g in layout.groups] == [(0, 0, 1), (1, 3, 1)]
 
 
 @pytest.mark.parametrize("call_cost", [0, 10**9, 30])
@@ -95,7 +108,7 @@ def test_packed_equals_each_slot_alone(call_cost):
     for slot, (width, length) in enumerate(zip(widths, lengths, strict=True)):
         allowed[slot, :, :, length + width :] = False  # as the runner's masks: nothing past its own tokens
     mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
-    layout = pack(widths, lengths, call_cost)
+    layout = pack_rows(widths, lengths, call_cost)
     ours, _ = packed(grouped_sdpa_attention)(
         Module(), query, key, value, mask, packed_layout=layout, scaling=0.3
     )
@@ -115,23 +128,28 @@ def test_packed_equals_each_slot_alone(call_cost):
         start += width
 
 
-def test_models_switch_to_it():
+def test_the_runner_switches_any_model_it_runs_to_packed_passes(caplog):
+    """However the model was loaded: packed attention is the runner's job, not the loader's."""
     model = make_tiny_llama()
+    assert model.config._attn_implementation == "sdpa"
+    assert ModelRunner(model, num_rows=2, capacity=16).packed
     assert model.config._attn_implementation == PACKED_SDPA
     model.set_attn_implementation("eager")
-    use_packed_attention(model)
+    assert ModelRunner(model, num_rows=2, capacity=16).packed
     assert model.config._attn_implementation == PACKED_EAGER
     model.set_attn_implementation("flex_attention")
-    use_packed_attention(model)
-    assert model.config._attn_implementation == "flex_attention"  # left alone: verified slot by slot
+    with caplog.at_level("WARNING", logger="reader_spec"):
+        runner = ModelRunner(model, num_rows=2, capacity=16)
+    assert not runner.packed and model.config._attn_implementation == "flex_attention"  # left alone
+    assert "'flex_attention' attention, which cannot verify several sequences in one pass" in caplog.text
 
 
 def test_a_model_that_ignores_the_layout_is_refused():
     model = make_tiny_llama()
+    runner = ModelRunner(model, num_rows=2, capacity=16)
     model.set_attn_implementation("sdpa")  # plain sdpa cannot honour a packed layout
-    runner = ModelRunner(model, num_slots=2, capacity=16)
-    runner.packed = True  # as if it claimed to
-    for slot in range(2):
-        runner.prefill(slot, [1, 2, 3])
+    assert runner.packed  # as the runner still believes
+    for row in range(2):
+        runner.prefill(row, [1, 2, 3])
     with pytest.raises(RuntimeError, match="batch size 1"):
-        runner.verify([DraftTree([4, 5], [-1, 0]), DraftTree([6], [-1])])
+        runner.verify([DraftTree([4, 5], [-1, 0]), DraftTree([6], [-1])], [0, 1])

@@ -30,7 +30,8 @@ CONFIGS = {
 TOL = 1e-5
 
 
-ATTENTIONS = ("sdpa", "eager", PACKED_SDPA, PACKED_EAGER)  # the plain ones verify slot by slot
+ATTENTIONS = ("sdpa", "eager", "one by one")  # the runner packs sdpa and eager; the last verifies
+# one sequence per forward, as models whose attention cannot run packed passes do
 
 
 @pytest.fixture(scope="module", params=[(f, a) for f in sorted(CONFIGS) for a in ATTENTIONS])
@@ -38,8 +39,16 @@ def model(request):
     family, attention = request.param
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
-    model.set_attn_implementation(attention)
+    model.set_attn_implementation("sdpa" if attention == "one by one" else attention)
+    model.one_by_one = attention == "one by one"
     return model
+
+
+def make_runner(model, num_rows: int, capacity: int) -> ModelRunner:
+    runner = ModelRunner(model, num_rows=num_rows, capacity=capacity)
+    assert runner.packed and model.config._attn_implementation in (PACKED_SDPA, PACKED_EAGER)
+    runner.packed = not model.one_by_one
+    return runner
 
 
 def full_logits(model, tokens):
@@ -71,14 +80,13 @@ def test_prefill_and_tree_logits_match_sequential(model):
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, VOCAB, 30).tolist()
     reference = full_logits(model, tokens)
-    runner = ModelRunner(model, num_slots=1, capacity=4)  # forces the cache to grow
-    last = runner.prefill(0, tokens[:12])
-    assert (last - reference[11]).abs().max() < TOL
+    runner = make_runner(model, num_rows=1, capacity=4)  # forces the cache to grow
+    runner.prefill(0, tokens[:12])
     position = 12
     while position < 28:
         path = tokens[position : position + 5]
         tree, on_path = random_tree_on_path(path, rng)
-        logits = runner.verify([tree])[0]
+        logits = runner.verify([tree], [0])[0]
         for depth, node in enumerate(on_path):
             assert (logits[node] - reference[position + depth]).abs().max() < TOL
         keep = int(rng.integers(1, len(on_path) + 1))
@@ -88,8 +96,10 @@ def test_prefill_and_tree_logits_match_sequential(model):
 
 
 @pytest.mark.parametrize("call_cost", [0, 10**9])  # attention by runs of equal width, or all padded
-def test_ragged_batch_matches_each_sequence_alone(model, call_cost, monkeypatch):
-    """Trees of unequal widths, lone roots among them, side by side and in runs of equal width."""
+@pytest.mark.parametrize("rows", [range(7), (0, 1, 3, 4, 5, 8, 9)])  # free rows between sequences, or none
+def test_ragged_batch_matches_each_sequence_alone(model, call_cost, rows, monkeypatch):
+    """Trees of unequal widths, lone roots among them, side by side and in runs of equal width, in
+    consecutive cache rows or with free rows between them."""
     import numpy as np
 
     monkeypatch.setattr(runner_module, "pack", functools.partial(runner_module.pack, call_cost=call_cost))
@@ -97,10 +107,10 @@ def test_ragged_batch_matches_each_sequence_alone(model, call_cost, monkeypatch)
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 17, 9, 12, 8, 20, 5)]
     drafted = [4, 0, 0, 6, 1, 1, 3]  # path tokens after the root, plus decoys hanging off them
     references = [full_logits(model, p) for p in prompts]
-    runner = ModelRunner(model, num_slots=len(prompts), capacity=32)
+    runner = make_runner(model, num_rows=10, capacity=32)
     lengths = [len(p) - 1 - d for p, d in zip(prompts, drafted, strict=True)]
-    for slot, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
-        runner.prefill(slot, prompt[:n])
+    for row, prompt, n in zip(rows, prompts, lengths, strict=True):
+        runner.prefill(row, prompt[:n])
     trees, paths = zip(
         *(
             random_tree_on_path(p[n:], rng) if d else (DraftTree([p[n]], [-1]), [0])
@@ -108,41 +118,46 @@ def test_ragged_batch_matches_each_sequence_alone(model, call_cost, monkeypatch)
         ),
         strict=True,
     )
-    logits = runner.verify(list(trees))
+    logits = runner.verify(list(trees), list(rows))
     for b in range(len(prompts)):
         assert logits[b].shape[0] == len(trees[b])
         for depth, node in enumerate(paths[b]):
             assert (logits[b][node] - references[b][lengths[b] + depth]).abs().max() < TOL
 
 
-def test_move_slot_keeps_a_sequence_decodable(model):
-    tokens = list(range(5, 25))
-    reference = full_logits(model, tokens)
-    runner = ModelRunner(model, num_slots=2, capacity=32)
-    runner.prefill(0, tokens[:3])
-    runner.prefill(1, tokens[:10])
-    runner.cache.move_slot(1, 0)
-    logits = runner.verify([DraftTree(tokens[10:13], [-1, 0, 1])])[0]
-    assert (logits - reference[10:13]).abs().max() < TOL
+def test_a_freed_row_serves_the_next_sequence_and_no_other_row_moves(model):
+    first, second, third = list(range(5, 25)), list(range(30, 42)), list(range(3, 20))
+    runner = make_runner(model, num_rows=2, capacity=32)
+    runner.prefill(0, first[:15])
+    runner.prefill(1, second[:10])
+    layer = runner.cache.layers[0]
+    kept = layer.keys[1, :, :10].clone()
+    runner.prefill(0, third[:12])  # the first sequence finished; the next one takes its row
+    assert torch.equal(layer.keys[1, :, :10], kept)
+    trees = [DraftTree(third[12:15], [-1, 0, 1]), DraftTree(second[10:12], [-1, 0])]
+    logits = runner.verify(trees, [0, 1])
+    assert (logits[0] - full_logits(model, third)[12:15]).abs().max() < TOL
+    assert (logits[1] - full_logits(model, second)[10:12]).abs().max() < TOL
 
 
 def test_chunked_prefill_matches(model, monkeypatch):
     monkeypatch.setattr(runner_module, "PREFILL_CHUNK", 4)
     tokens = list(range(1, 19))
-    runner = ModelRunner(model, num_slots=1, capacity=32)
-    last = runner.prefill(0, tokens)
-    assert (last - full_logits(model, tokens)[-1]).abs().max() < TOL
+    runner = make_runner(model, num_rows=1, capacity=32)
+    runner.prefill(0, tokens[:-1])
+    logits = runner.verify([DraftTree(tokens[-1:], [-1])], [0])[0]
+    assert (logits[0] - full_logits(model, tokens)[-1]).abs().max() < TOL
 
 
 def test_steps_write_in_place_without_reallocating(model):
-    runner = ModelRunner(model, num_slots=2, capacity=64)
+    runner = make_runner(model, num_rows=2, capacity=64)
     runner.prefill(0, [1, 2, 3, 4])
     runner.prefill(1, [5, 6])
     layer = runner.cache.layers[0]
     pointers = (layer.keys.data_ptr(), layer.values.data_ptr())
     for _ in range(5):
         tree = DraftTree([7, 8, 9], [-1, 0, 0])
-        runner.verify([tree, tree])
+        runner.verify([tree, tree], [0, 1])
         runner.cache.commit(0, [0, 2])
         runner.cache.commit(1, [0])
     assert (layer.keys.data_ptr(), layer.values.data_ptr()) == pointers

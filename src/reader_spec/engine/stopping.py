@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 FINISH_LENGTH, FINISH_EOS, FINISH_STOP = "length", "eos", "stop"
 
+# What a decoder writes for bytes that are not (yet) a whole UTF-8 character.
+_REPLACEMENT = "\ufffd"
+
 
 @dataclass(frozen=True)
 class StopCriteria:
@@ -33,15 +36,39 @@ class StopCriteria:
         return kept, None
 
     def _ends_in_stop(self, generated: Sequence[int], kept: list[int]) -> bool:
-        # Every token decodes to at least one character in practice, so a window of as many tokens
-        # as the longest stop string has characters covers any occurrence the last token completed.
-        window = max(map(len, self.stop_strings)) + 2
-        tail = [*generated[-window:], *kept][-window:]
-        text = self.tokenizer.decode(tail, skip_special_tokens=False)
-        return any(stop in text for stop in self.stop_strings)
+        """Whether the output now holds a stop string, decoding only a tail window (this runs per token).
+
+        A token may add no character of its own (one byte of a longer character with byte fallback, a
+        skipped special token), so no fixed number of tokens is enough: the window doubles until its
+        text before the last token's part can hold the longest stop string, or it covers everything.
+        """
+        tokens = [*generated, *kept]
+        longest = max(map(len, self.stop_strings))
+        # The last token decoded alone is at least as long as what it adds in context (bytes it completes
+        # read as one U+FFFD each), give or take a leading space that a decoder strips at the start.
+        room = longest + len(self._decode(tokens[-1:])) + 1
+        size = longest + 2
+        while True:
+            text = self._decode(tokens[-size:])
+            # A window starting inside a character reads it as U+FFFD (byte fallback reads the whole run
+            # of byte tokens it starts in so): move the start back to the character's first byte.
+            for _ in range(3):
+                if size >= len(tokens) or not text.startswith(_REPLACEMENT):
+                    break
+                size += 1
+                text = self._decode(tokens[-size:])
+            seen = text.lstrip(_REPLACEMENT)
+            # Only U+FFFD from four starts in a row: the last character is unfinished, so ends no stop.
+            if size >= len(tokens) or not seen or len(seen) >= room:
+                return any(stop in text for stop in self.stop_strings)
+            size *= 2
 
     def final_text(self, tokens: Sequence[int]) -> str:
         """Decoded output, cut before the first stop string."""
-        text = self.tokenizer.decode(list(tokens), skip_special_tokens=True)
+        text = self._decode(tokens)
         cuts = [text.find(stop) for stop in self.stop_strings if stop in text]
         return text[: min(cuts)] if cuts else text
+
+    def _decode(self, tokens: Sequence[int]) -> str:
+        """The text the user gets back; stops are matched in it too, so finish reason and text agree."""
+        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)

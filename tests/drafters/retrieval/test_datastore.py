@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reader_spec import datastore as ds_module
 from reader_spec.bench.spec_bench import default_suite
 from reader_spec.cli import main
 from reader_spec.config import GenerationConfig
+from reader_spec.drafters.retrieval import datastore as ds_module
 from reader_spec.drafters.retrieval.corpus import (
     file_documents,
     read_documents,
@@ -33,8 +33,7 @@ from reader_spec.drafters.retrieval.tries import build_continuation_trie
 from reader_spec.engine.loop import Engine
 from reader_spec.loading import load_tokenizer
 from reader_spec.prompts import PromptError, encode_prompt
-
-from .conftest import make_tiny_tokenizer
+from tests.conftest import make_tiny_tokenizer
 
 BIG = [3, 70_001, 70_002, 123_456, 4_000_000_000, SEP - 1]
 """A small alphabet (so matches are long and frequent) of ids far beyond 16 bits."""
@@ -304,10 +303,12 @@ def test_read_prompts_formats_and_parity(tmp_path):
 
 
 def test_read_prompts_reads_gzipped_questions_and_prompts(tmp_path):
-    questions = tmp_path / "q.jsonl.gz"
-    with gzip.open(questions, "wt") as f, open(default_suite()) as suite:
-        f.write(suite.read())
-    assert read_prompts(questions, "odd") == read_prompts(default_suite(), "odd")
+    assert default_suite().name.endswith(".jsonl.gz")
+    questions = tmp_path / "q.jsonl"
+    with gzip.open(default_suite(), "rt") as suite:
+        questions.write_text(suite.read())
+    odd = read_prompts(default_suite(), "odd")
+    assert odd == read_prompts(questions, "odd") and len(odd) == 240
     prompts = tmp_path / "p.jsonl.gz"
     with gzip.open(prompts, "wt") as f:
         f.write('{"id": 3, "prompt": "w3"}\n')
