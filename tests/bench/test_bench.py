@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import ClassVar
 
 import pytest
 
@@ -12,7 +11,7 @@ import reader_spec.bench.runner as bench
 from reader_spec.bench.methods import METHODS, BenchSetup, Generation, MethodSpec
 from reader_spec.bench.results import (
     PromptResult,
-    mean_accepted,
+    pooled_mean_accepted,
     question_speed,
     source_shares,
     summarize,
@@ -45,11 +44,8 @@ def isolated_cache(tmp_path_factory):
 class CountingBar:
     """Stands in for tqdm: records the announced total and every update."""
 
-    instances: ClassVar[list[CountingBar]] = []
-
     def __init__(self, total, **kwargs):
         self.total, self.n = total, 0
-        CountingBar.instances.append(self)
 
     def update(self, n: int = 1) -> None:
         self.n += n
@@ -62,12 +58,25 @@ class CountingBar:
 
 
 @pytest.fixture(scope="module")
-def report(tiny):
+def bench_run(tiny):
+    """The report of one small run, and the progress bars it drew."""
+    bars = []
+
+    def make_bar(total, **kwargs):
+        bars.append(CountingBar(total))
+        return bars[-1]
+
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bench, "tqdm", CountingBar)
-        return run_bench(
+        patch.setattr(bench, "tqdm", make_bar)
+        report = run_bench(
             tiny, QUESTIONS, ["ar", "reader", "hf", "hf-pld"], max_new_tokens=MAX_NEW, batch_sizes=[1, 2]
         )
+    return report, bars
+
+
+@pytest.fixture(scope="module")
+def report(bench_run):
+    return bench_run[0]
 
 
 def result(
@@ -81,9 +90,9 @@ def result(
 
 # --- metric definitions ------------------------------------------------------------------------------
 def test_mean_accepted_counts_the_bonus_token():
-    assert mean_accepted([[3, 1], [2]]) == 2.0  # 6 tokens in 3 steps
-    assert mean_accepted([[1] * 7, [1] * 3]) == 1.0  # plain decoding
-    assert mean_accepted([]) == 1.0
+    assert pooled_mean_accepted([[3, 1], [2]]) == 2.0  # 6 tokens in 3 steps
+    assert pooled_mean_accepted([[1] * 7, [1] * 3]) == 1.0  # plain decoding
+    assert pooled_mean_accepted([]) == 1.0
 
 
 def test_speedup_averages_per_question_speeds_like_spec_bench():
@@ -279,8 +288,8 @@ def test_accepted_tokens_are_attributed_to_sources(report):
     assert source_shares(mixed) == {"context": 0.5, "history": 0.5}
 
 
-def test_progress_bar_total_matches_its_updates(report):
-    bar = CountingBar.instances[0]
+def test_progress_bar_total_matches_its_updates(bench_run):
+    _, [bar] = bench_run
     assert bar.total == bar.n == TURNS * 4 + TURNS * 3  # batch 1: every method; batch 2: three methods
 
 

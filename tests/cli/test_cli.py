@@ -39,7 +39,9 @@ def test_generate_json_with_compare(capsys, tiny_llama_dir, tmp_path):
         assert set(request) >= {"id", "tokens", "text", "seconds", "stats", "baseline"}
         assert request["tokens"] == request["baseline"]["tokens"]
         assert 1 <= len(request["tokens"]) <= 12
-        assert request["stats"]["mean_accepted"] >= 1.0
+        stats = request["stats"]
+        assert sum(stats["accept_lengths"]) == stats["new_tokens"] == len(request["tokens"])
+        assert stats["mean_accepted"] == pytest.approx(len(request["tokens"]) / stats["steps"])
     assert result["summary"]["identical"] == 3 and result["summary"]["speedup"] > 0
 
 

@@ -313,3 +313,67 @@ def test_all_sources_on_are_exact_and_each_is_credited(tiny, prompts, plain_outp
     sampled = engine.generate(prompts, mixed_configs(len(prompts)), batch_size=4)
     plain = Engine(tiny).generate(prompts, mixed_configs(len(prompts)))
     assert [o.tokens for o in sampled] == [o.tokens for o in plain]
+
+
+# --- requests leaving, the context limit, calibration ------------------------------------------------
+def test_a_finished_request_frees_its_row_without_copying_any_cache(
+    tiny, prompts, plain_outputs, monkeypatch
+):
+    """Retirement used to copy the last slot's whole context into the freed one."""
+    from reader_spec.engine.kv_cache import RaggedKVCache
+
+    def no_copies(*args):
+        raise AssertionError("a cache row was copied")
+
+    monkeypatch.setattr(RaggedKVCache, "copy_row", no_copies, raising=False)
+    monkeypatch.setattr(RaggedKVCache, "move_slot", no_copies, raising=False)
+    configs = [replace(NO_EOS, max_new_tokens=n) for n in (3, 40, 9, 25, 1, 40, 17, 5, 30)]
+    outputs = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS).generate(prompts, configs, batch_size=4)
+    for output, plain, config in zip(outputs, plain_outputs, configs, strict=True):
+        assert output.tokens == plain.tokens[: config.max_new_tokens]
+
+
+def test_a_prompt_without_room_in_the_context_is_refused_before_any_work(tiny):
+    from reader_spec.prompts import PromptError
+
+    engine = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS)
+    context = tiny.model.config.max_position_embeddings
+    message = f"{context + 5:,} tokens long and the model's context is {context:,}"
+    with pytest.raises(PromptError, match=message):
+        engine.generate([[2], [3] * (context + 5)], NO_EOS)
+    assert engine._runner is None
+
+
+def test_generation_stops_at_the_end_of_the_context(tiny):
+    context = tiny.model.config.max_position_embeddings
+    prompt = [random.Random(0).randrange(2, 90) for _ in range(context - 6)]
+    (output,) = Engine(tiny).generate([prompt], NO_EOS)
+    assert len(output.tokens) == 6 and output.finish_reason == "length"
+
+
+def test_costs_are_measured_up_front_and_said(tiny, prompts, caplog):
+    """Measuring used to happen inside the first step, charged to its draft time, without a word."""
+    import time
+
+    def slow_measure(batch, drafted, context):
+        time.sleep(0.1)
+        return dict.fromkeys(drafted, 1.0)
+
+    engine = Engine(tiny, ReaderDrafter(), costs=CostModel(measure=slow_measure))
+    with caplog.at_level("INFO", logger="reader_spec"):
+        outputs = engine.generate(prompts[:2], NO_EOS, batch_size=2)
+    assert "measuring verification costs for batch sizes up to 2" in caplog.text
+    assert engine.costs.missing(2) == []
+    assert all(o.stats.draft_seconds < 0.1 for o in outputs)
+
+
+def test_nothing_is_measured_where_nothing_uses_costs(tiny, prompts):
+    def refuse(*args):
+        raise AssertionError("measured costs that no allocation reads")
+
+    for engine in (
+        Engine(tiny, ReaderDrafter(), adaptive_budget=False, costs=CostModel(measure=refuse)),
+        Engine(tiny, costs=CostModel(measure=refuse)),
+    ):
+        engine.warm_up(4)
+        engine.generate(prompts[:3], NO_EOS, batch_size=2)

@@ -47,13 +47,11 @@ def test_invalid_parents_are_rejected(parents):
         DraftTree([1, 2], parents)
 
 
-def test_proposal_truncation_keeps_a_tree_and_expected_accepted_sums_probs():
+def test_proposal_truncation_keeps_a_tree():
     proposal = Proposal((5, 6, 7), (-1, 0, -1), (0.9, 0.5, 0.2), ("a", "a", "b"))
     cut = proposal.truncated(2)
     assert cut.tokens == (5, 6) and cut.parents == (-1, 0) and cut.sources == ("a", "a")
     assert proposal.truncated(0) == EMPTY_PROPOSAL
-    assert proposal.expected_accepted() == pytest.approx(1.6)
-    assert proposal.expected_accepted(1) == pytest.approx(0.9)
     tree = DraftTree.from_proposal(4, proposal)
     assert tree.tokens == [4, 5, 6, 7] and tree.parents == [-1, 0, 1, 0]
 

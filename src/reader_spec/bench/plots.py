@@ -16,7 +16,7 @@ from reader_spec.bench.results import (
     REFERENCE,
     BatchResult,
     PromptResult,
-    mean_accepted,
+    pooled_mean_accepted,
     summarize,
     total_throughput,
 )
@@ -119,7 +119,7 @@ def accept_length_plot(prompts: Sequence[PromptResult], settings: dict) -> bytes
         counts = Counter(n for steps in lengths[method] for n in steps)
         steps = sum(counts.values()) or 1
         ax.bar(range(1, longest + 1), [100 * counts[n] / steps for n in range(1, longest + 1)])
-        ax.set_title(f"{method}: mean {mean_accepted(lengths[method]):.2f} tokens/step")
+        ax.set_title(f"{method}: mean {pooled_mean_accepted(lengths[method]):.2f} tokens/step")
         ax.set_xticks(range(1, longest + 1, max(1, longest // 8)))
         ax.set_xlabel("tokens emitted in one step (bonus included)")
         ax.set_ylabel("share of steps (%)")

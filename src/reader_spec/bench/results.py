@@ -17,6 +17,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
+from reader_spec.engine.sequence import DraftCounts, mean_accepted
+
 OVERALL = "overall"
 REFERENCE = "ar"
 
@@ -48,29 +50,21 @@ class PromptResult:
         return asdict(self) | {"steps": self.steps}
 
 
-@dataclass
-class BatchResult:
-    """One method decoding every prompt at one batch size."""
+@dataclass(kw_only=True)
+class BatchResult(DraftCounts):
+    """One method decoding every prompt at one batch size (``steps`` summed over sequences: a
+    sequence's step is one verification of its draft)."""
 
     method: str
     batch_size: int
     seconds: float
     requests: int
-    new_tokens: int
-    steps: int
-    """Steps summed over sequences: a sequence's step is one verification of its draft."""
-    step_tokens: int
-    drafted: int
     identical: int
     peak_rss_mib: float
 
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def mean_accepted(self) -> float:
-        return self.step_tokens / self.steps if self.steps else 1.0
 
     @property
     def drafted_per_step(self) -> float:
@@ -115,13 +109,10 @@ def question_speed(results: Iterable[PromptResult]) -> float:
     return statistics.fmean(rates) if rates else 0.0
 
 
-def mean_accepted(accept_lengths: Iterable[Sequence[int]]) -> float:
+def pooled_mean_accepted(accept_lengths: Iterable[Sequence[int]]) -> float:
     """Mean tokens per step, bonus included, over every step of every output (no steps: 1.0)."""
-    tokens = steps = 0
-    for lengths in accept_lengths:
-        tokens += sum(lengths)
-        steps += len(lengths)
-    return tokens / steps if steps else 1.0
+    lengths = [n for per_output in accept_lengths for n in per_output]
+    return mean_accepted(sum(lengths), len(lengths))
 
 
 def summarize(results: Sequence[PromptResult]) -> list[Summary]:
@@ -150,7 +141,7 @@ def _summary(category: str, method: str, mine: list[PromptResult], base: float) 
         prompts=len(mine),
         tokens_per_second=speed,
         speedup=speed / base if base else 0.0,
-        mean_accepted=mean_accepted(r.accept_lengths for r in mine),
+        mean_accepted=pooled_mean_accepted(r.accept_lengths for r in mine),
         drafted_per_step=sum(r.drafted for r in mine) / steps if steps else 0.0,
         identical=sum(r.identical for r in mine) / len(mine) if mine else 0.0,
         draft_share=draft,

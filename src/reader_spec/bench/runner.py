@@ -242,7 +242,6 @@ def _batched(
                 requests=len(outputs),
                 new_tokens=sum(len(t) for t in tokens),
                 steps=sum(len(o.accept_lengths) for o in outputs),
-                step_tokens=sum(sum(o.accept_lengths) for o in outputs),
                 drafted=sum(o.drafted for o in outputs),
                 identical=sum(a == b for a, b in zip(tokens, reference, strict=True)),
                 peak_rss_mib=peak,

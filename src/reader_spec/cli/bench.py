@@ -7,6 +7,7 @@ The benchmark package (and matplotlib, for its plots) is imported only when the 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from pathlib import Path
 from typing import get_args
 
@@ -81,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats < 1 or (args.limit is not None and args.limit < 1) or min(args.batch_sizes) < 1:
         raise ValueError("--repeats, --limit and --batch-sizes must be positive")
+    if args.out and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--out draws plots with matplotlib: pip install 'reader-spec[bench]'")
     chosen = [m for group in args.methods for m in group] if args.methods else None
     methods = method_names(chosen, with_draft=args.draft_model is not None)
     categories = [c for group in args.categories for c in group] if args.categories else None

@@ -42,24 +42,28 @@ class StopCriteria:
         skipped special token), so no fixed number of tokens is enough: the window doubles until its
         text before the last token's part can hold the longest stop string, or it covers everything.
         """
-        tokens = [*generated, *kept]
+        total = len(generated) + len(kept)
+
+        def tail(size: int) -> list[int]:  # without copying all of ``generated``
+            return [*generated[max(total - size, 0) :], *kept][-size:]
+
         longest = max(map(len, self.stop_strings))
         # The last token decoded alone is at least as long as what it adds in context (bytes it completes
         # read as one U+FFFD each), give or take a leading space that a decoder strips at the start.
-        room = longest + len(self._decode(tokens[-1:])) + 1
+        room = longest + len(self._decode(kept[-1:])) + 1
         size = longest + 2
         while True:
-            text = self._decode(tokens[-size:])
+            text = self._decode(tail(size))
             # A window starting inside a character reads it as U+FFFD (byte fallback reads the whole run
             # of byte tokens it starts in so): move the start back to the character's first byte.
             for _ in range(3):
-                if size >= len(tokens) or not text.startswith(_REPLACEMENT):
+                if size >= total or not text.startswith(_REPLACEMENT):
                     break
                 size += 1
-                text = self._decode(tokens[-size:])
+                text = self._decode(tail(size))
             seen = text.lstrip(_REPLACEMENT)
             # Only U+FFFD from four starts in a row: the last character is unfinished, so ends no stop.
-            if size >= len(tokens) or not seen or len(seen) >= room:
+            if size >= total or not seen or len(seen) >= room:
                 return any(stop in text for stop in self.stop_strings)
             size *= 2
 

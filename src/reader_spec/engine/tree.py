@@ -47,10 +47,6 @@ class Proposal:
             self.tokens[:n], self.parents[:n], self.probs[:n], self.sources[:n] if self.sources else ()
         )
 
-    def expected_accepted(self, max_nodes: int | None = None) -> float:
-        """Expected number of drafted tokens accepted: the sum of path probabilities."""
-        return float(sum(self.probs if max_nodes is None else self.probs[:max_nodes]))
-
 
 EMPTY_PROPOSAL = Proposal()
 
@@ -74,7 +70,8 @@ class DraftTree:
             if not 0 <= parent < i:
                 raise ValueError(f"node {i} has parent {parent}; parents must come before children")
             self.depths[i] = self.depths[parent] + 1
-            # Duplicate siblings would waste verification; keep the first (best-ranked) one.
+            # A duplicate sibling is still verified (it is in the pass) but never accepted: the walk
+            # follows the first, best-ranked one. Drafters merge duplicates before proposing.
             self.children[parent].setdefault(self.tokens[i], i)
 
     @classmethod
