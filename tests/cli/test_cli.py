@@ -106,3 +106,30 @@ def test_invalid_setting_on_an_input_line_names_the_request(capsys, tiny_llama_d
     path.write_text('{"id": "x", "prompt": "w3", "top_p": 2}\n')
     code, _, err = run(capsys, "generate", "--model", str(tiny_llama_dir), "--input", str(path))
     assert code == 2 and "request 'x'" in err and "top_p" in err
+
+
+def test_a_prompt_longer_than_the_context_is_one_line_before_any_work(
+    capsys, tiny_llama_dir, monkeypatch
+):
+    from reader_spec.engine.loop import Engine
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("worked on a prompt that cannot be decoded")
+
+    monkeypatch.setattr(Engine, "warm_up", no_work)
+    prompt = " ".join(["w5"] * 2100)  # the tiny model's context is 2,048 positions
+    code, out, err = run(capsys, "generate", "--model", str(tiny_llama_dir), "--prompt", prompt)
+    assert code == 2 and out == ""
+    assert err == (
+        "reader: error: the prompt is 2,100 tokens long and the model's context is 2,048: "
+        "there is no room to generate\n"
+    )
+
+
+def test_calibrate_prints_the_measured_curves(capsys, tiny_llama_dir):
+    argv = ["calibrate", "--model", str(tiny_llama_dir), "--batch-size", "2", "--budget", "2"]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    rows = [line for line in out.splitlines() if line.startswith("batch")]
+    assert [row.split(":")[0] for row in rows] == ["batch   1", "batch   2"]
+    assert "4: " in rows[1] and "4: " not in rows[0]  # each curve reaches its batch's whole budget

@@ -24,11 +24,9 @@ from reader_spec.prompts import InputRecord, PromptError, read_jsonl
 
 
 def add_parser(commands) -> None:
+    description = "Generate with retrieval-drafted speculative decoding; the output equals plain decoding's."
     gen = commands.add_parser(
-        "generate",
-        help="generate text with speculative decoding",
-        description="Generate with retrieval-drafted speculative decoding; "
-        "the output equals plain greedy decoding.",
+        "generate", help="generate text with speculative decoding", description=description
     )
     add_model_option(gen)
     source = gen.add_mutually_exclusive_group(required=True)
@@ -92,9 +90,9 @@ def run(args: argparse.Namespace) -> int:
             history_tokens=0 if args.no_history else DEFAULT_MAX_TOKENS, datastore=datastore
         )
     engine = Engine(loaded, drafter, budget=args.budget, adaptive_budget=not args.fixed_budget)
-    engine.warm_up(args.batch_size)
-    prompts = [r.prompt for r in records]
+    prompts = [engine.encode(r.prompt) for r in records]  # bad prompts fail before any model work
     ids = [r.id for r in records]
+    engine.warm_up(args.batch_size)
 
     outputs, seconds = _timed_run(engine, prompts, ids, config, args.batch_size, "reader")
     baseline, baseline_seconds = None, None

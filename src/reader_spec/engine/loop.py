@@ -96,7 +96,7 @@ class Engine:
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        encoded = [self._encode(p) for p in prompts]
+        encoded = [self.encode(p) for p in prompts]
         configs = _per_request(config, len(encoded))
         ids = list(range(len(encoded))) if ids is None else list(ids)
         if len(ids) != len(encoded):
@@ -245,7 +245,8 @@ class Engine:
     def _uses_costs(self) -> bool:
         return self.budget > 0 and self.adaptive_budget
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt) -> list[int]:
+        """A prompt's token ids, refused (``PromptError``) when the model has no room to generate."""
         tokens = encode_prompt(self.tokenizer, prompt)
         if self.max_context is not None and len(tokens) >= self.max_context:
             raise PromptError(

@@ -16,7 +16,6 @@ tokenize differently). That is what a request's context looks like while it deco
 from __future__ import annotations
 
 import gzip
-import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
@@ -37,13 +36,12 @@ def read_documents(path: str | Path) -> Iterator[Document]:
     """The documents of one file (see the module docstring)."""
     path = Path(path)
     stem = path.name[:-3] if path.name.endswith(".gz") else path.name
-    with _open_text(path) as f:
-        if not stem.endswith(".jsonl"):
+    if not stem.endswith(".jsonl"):
+        with _open_text(path) as f:
             yield f.read()
-            return
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                yield _jsonl_document(line, f"{path}:{number}")
+        return
+    for number, record in json_lines(path, PromptError):
+        yield _jsonl_document(record, f"{path}:{number}")
 
 
 def tokenize_documents(tokenizer, documents: Iterable[Document], batch_size: int = 64) -> Iterator[list[int]]:
@@ -143,11 +141,7 @@ def _first_turns(path: Path) -> Iterator[InputRecord]:
         yield InputRecord(question_id, [{"role": "user", "content": turns[0]}])
 
 
-def _jsonl_document(line: str, where: str) -> Document:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise PromptError(f"{where}: not valid JSON ({e.msg})") from None
+def _jsonl_document(record: object, where: str) -> Document:
     if isinstance(record, dict):
         if isinstance(record.get("text"), str):
             return record["text"]
