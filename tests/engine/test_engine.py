@@ -377,3 +377,57 @@ def test_nothing_is_measured_where_nothing_uses_costs(tiny, prompts):
     ):
         engine.warm_up(4)
         engine.generate(prompts[:3], NO_EOS, batch_size=2)
+
+
+# --- driving the engine request by request (what a server does) --------------------------------------
+def test_requests_join_and_leave_a_running_batch_and_stay_exact(tiny, prompts, plain_outputs):
+    engine = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS, max_batch_size=3)
+    engine.calibrate(3)
+    keys = [engine.add_request(p, NO_EOS) for p in prompts[:2]]
+    streamed: dict[int, list[int]] = {}
+    outputs = {}
+
+    def run(steps):
+        for _ in range(steps):
+            for update in engine.step():
+                streamed.setdefault(update.key, []).extend(update.new_tokens)
+                if update.output is not None:
+                    outputs[update.key] = update.output
+
+    run(3)
+    assert [s.key for s in engine.scheduler.running] == keys  # both decoding, a row each
+    keys += [engine.add_request(p, NO_EOS, request_id=f"late {i}") for i, p in enumerate(prompts[2:6])]
+    run(1)
+    assert len(engine.scheduler.running) == 3 and len(engine.scheduler.waiting) == 3
+    while len(engine.scheduler):
+        run(1)
+    for key, plain in zip(keys, plain_outputs[:6], strict=True):
+        assert outputs[key].tokens == streamed[key] == plain.tokens
+    assert outputs[keys[2]].id == "late 0"
+    assert engine.scheduler.free_rows == [0, 1, 2]
+
+
+def test_a_cancelled_request_frees_its_row_for_the_next_one(tiny, prompts, plain_outputs):
+    engine = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS, max_batch_size=2)
+    engine.calibrate(2)
+    first, second, third = (engine.add_request(p, NO_EOS) for p in prompts[:3])
+    engine.step()
+    row = next(s.row for s in engine.scheduler.running if s.key == first)
+    assert engine.cancel(first) and not engine.cancel(first)
+    assert engine.cancel(third) is True  # still waiting: dropped from the queue
+    fourth = engine.add_request(prompts[3], NO_EOS)
+    engine.step()
+    assert {s.key: s.row for s in engine.scheduler.running}[fourth] == row
+    outputs = {}
+    while len(engine.scheduler):
+        outputs |= {u.key: u.output for u in engine.step() if u.output is not None}
+    assert set(outputs) == {second, fourth}
+    assert outputs[second].tokens == plain_outputs[1].tokens
+    assert outputs[fourth].tokens == plain_outputs[3].tokens
+
+
+def test_generate_needs_an_idle_engine(tiny, prompts):
+    engine = Engine(tiny)
+    engine.add_request(prompts[0], NO_EOS)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.generate(prompts[:1], NO_EOS)

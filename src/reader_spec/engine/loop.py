@@ -9,11 +9,9 @@ the baseline every speedup is measured against.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,6 +24,7 @@ from reader_spec.config import GenerationConfig
 from reader_spec.drafters.base import Drafter, feed_back
 from reader_spec.engine.acceptance import rule_for
 from reader_spec.engine.runner import ModelRunner, max_context_of, synchronizer
+from reader_spec.engine.scheduler import Request, Scheduler
 from reader_spec.engine.sequence import Output, RequestStats
 from reader_spec.engine.sequence import Sequence as DecodingSequence
 from reader_spec.engine.stopping import StopCriteria
@@ -50,8 +49,23 @@ class _Drafts:
     seconds: float
 
 
+@dataclass(frozen=True)
+class Update:
+    """What one step did for one request: the tokens it emitted, and its output once it finished."""
+
+    key: int
+    request_id: object
+    new_tokens: list[int]
+    output: Output | None = None
+
+
 class Engine:
-    """Batched speculative decoding with any drafter on a loaded model."""
+    """Batched speculative decoding with any drafter on a loaded model.
+
+    Two ways to drive it: :meth:`generate` for a list of prompts, or, for a server, :meth:`add_request`
+    at any time and :meth:`step` in a loop (a request joins the running batch at the next step and
+    leaves it the step it finishes; :meth:`cancel` drops one at once). ``generate`` is that loop.
+    """
 
     def __init__(
         self,
@@ -61,9 +75,12 @@ class Engine:
         budget: int = DEFAULT_BUDGET,
         adaptive_budget: bool = True,
         costs: CostModel | None = None,
+        max_batch_size: int = 1,
     ):
         if budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -71,6 +88,7 @@ class Engine:
         self.budget = budget if drafter is not None else 0
         self.adaptive_budget = adaptive_budget
         self.max_context = max_context_of(self.model.config)
+        self.scheduler = Scheduler(max_batch_size)
         self._costs = costs
         self._runner: ModelRunner | None = None
         self._keys = itertools.count()
@@ -96,34 +114,72 @@ class Engine:
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if len(self.scheduler):
+            raise RuntimeError(
+                "generate needs an idle engine: requests added with add_request are unfinished"
+            )
         encoded = [self.encode(p) for p in prompts]
         configs = _per_request(config, len(encoded))
         ids = list(range(len(encoded))) if ids is None else list(ids)
         if len(ids) != len(encoded):
             raise ValueError("ids and prompts must have the same length")
-        self.calibrate(batch_size)
-        longest = max((len(e) + c.max_new_tokens for e, c in zip(encoded, configs, strict=True)), default=1)
-        runner = self._ensure_runner(batch_size, longest + self.budget + 2)
-        waiting = deque(zip(range(len(encoded)), ids, encoded, configs, strict=True))
+        self.scheduler.grow(batch_size)
+        self.calibrate(self.scheduler.num_rows)
+        position = {
+            self.add_request(e, c, request_id): i
+            for i, (e, c, request_id) in enumerate(zip(encoded, configs, ids, strict=True))
+        }
         results: dict[int, Output] = {}
-        order: dict[int, int] = {}
-        batch: list[DecodingSequence] = []  # ascending cache rows
-        free_rows = list(range(batch_size))
-        while waiting or batch:
-            while waiting and free_rows:
-                position, request_id, tokens, request_config = waiting.popleft()
-                seq = self._admit(runner, free_rows.pop(0), request_id, tokens, request_config)
-                order[seq.key] = position
-                bisect.insort(batch, seq, key=lambda s: s.row)
-            self._step(runner, batch)
-            for seq in [s for s in batch if s.finish_reason is not None]:
-                batch.remove(seq)
-                bisect.insort(free_rows, seq.row)
-                output = self._retire(seq)
-                results[order.pop(seq.key)] = output
-                if on_finish is not None:
-                    on_finish(output)
+        while len(self.scheduler):
+            for update in self.step():
+                if update.output is not None:
+                    results[position[update.key]] = update.output
+                    if on_finish is not None:
+                        on_finish(update.output)
         return [results[i] for i in range(len(results))]
+
+    def add_request(
+        self, prompt: Prompt, config: GenerationConfig | None = None, request_id: object = None
+    ) -> int:
+        """Queue a request; it starts at the next step with a free cache row. Returns its key.
+
+        Raises ``PromptError`` for a prompt that cannot be decoded (nothing is queued then).
+        """
+        tokens = self.encode(prompt)
+        key = next(self._keys)
+        self.scheduler.add(
+            Request(key, key if request_id is None else request_id, tokens, config or GenerationConfig())
+        )
+        return key
+
+    def step(self) -> list[Update]:
+        """Admit waiting requests into free rows, then one verification pass over the running batch."""
+        runner = self._ensure_runner()
+        for row, request in self.scheduler.admit():
+            self.scheduler.start(self._admit(runner, row, request))
+        batch = self.scheduler.running
+        if not batch:
+            return []
+        lengths = [len(seq.tokens) for seq in batch]
+        self._step(runner, batch)
+        updates = []
+        for seq, before in zip(list(batch), lengths, strict=True):
+            output = None
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+                output = self._retire(seq)
+            updates.append(Update(seq.key, seq.request_id, seq.tokens[before:], output))
+        return updates
+
+    def cancel(self, key: int) -> bool:
+        """Drop a request (a client went away): a running one frees its cache row at once.
+
+        Returns whether the request was still waiting or running.
+        """
+        dropped = self.scheduler.cancel(key)
+        if isinstance(dropped, DecodingSequence) and self.drafter is not None:
+            self.drafter.end(dropped.key)
+        return dropped is not None
 
     def calibrate(self, max_batch_size: int = 1, progress: bool = True) -> None:
         """Measure the verification costs the adaptive budget needs for batches up to ``max_batch_size``.
@@ -210,13 +266,12 @@ class Engine:
             feed_back(self.drafter, seq.key, proposal, path, kept)
 
     # --- requests joining and leaving ------------------------------------------------------------
-    def _admit(
-        self, runner: ModelRunner, row: int, request_id, tokens: list[int], config: GenerationConfig
-    ) -> DecodingSequence:
+    def _admit(self, runner: ModelRunner, row: int, request: Request) -> DecodingSequence:
         started = time.perf_counter()
+        tokens, config = request.tokens, request.config
         seq = DecodingSequence(
-            request_id=request_id,
-            key=next(self._keys),
+            request_id=request.request_id,
+            key=request.key,
             row=row,
             tokens=list(tokens),
             prompt_length=len(tokens),
@@ -225,6 +280,7 @@ class Engine:
             stats=RequestStats(prompt_tokens=len(tokens)),
             started=started,
         )
+        runner.cache.reserve(len(tokens) + seq.stop.max_new_tokens + self.budget + 2)
         # The last prompt token is the first root: prefill everything before it, so every later
         # step, this first one included, verifies a tree rooted at the pending token.
         runner.prefill(row, tokens[:-1])
@@ -264,11 +320,13 @@ class Engine:
             max_new_tokens = min(max_new_tokens, self.max_context - prompt_length)
         return StopCriteria(max_new_tokens, frozenset(eos), config.stop_strings, self.tokenizer)
 
-    def _ensure_runner(self, rows: int, capacity: int) -> ModelRunner:
-        runner = self._runner
-        if runner is None or runner.cache.num_rows < rows:
+    def _ensure_runner(self) -> ModelRunner:
+        """The runner, with a cache row for every sequence the scheduler may run (rows only grow while
+        nothing runs, so no context is ever moved)."""
+        runner, rows = self._runner, self.scheduler.num_rows
+        if runner is None or (runner.cache.num_rows < rows and not self.scheduler.running):
+            capacity = runner.cache.capacity if runner is not None else 64
             runner = self._runner = ModelRunner(self.model, rows, capacity)
-        runner.cache.reserve(capacity)
         return runner
 
 
