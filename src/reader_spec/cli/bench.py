@@ -137,5 +137,3 @@ def _bench_replay(args: argparse.Namespace) -> int:
         report.save(Path(args.out))
         print(f"\nwrote {Path(args.out) / 'replay.json'} and {Path(args.out) / 'replay.md'}")
     return 0
-
-

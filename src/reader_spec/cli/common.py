@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 
 from reader_spec.config import SAMPLING_FIELDS
+from reader_spec.drafters import ReaderDrafter
+from reader_spec.drafters.retrieval.datastore import Datastore
+from reader_spec.drafters.retrieval.history import DEFAULT_MAX_TOKENS
+from reader_spec.engine.loop import DEFAULT_BUDGET, Engine
+from reader_spec.loading import LoadedModel
 
 
 def add_model_option(parser: argparse.ArgumentParser) -> None:
@@ -34,3 +39,40 @@ def names(value: str) -> list[str]:
     return [name for name in value.split(",") if name]
 
 
+def add_drafting_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=DEFAULT_BUDGET,
+        help=f"most draft tokens per sequence and step ({DEFAULT_BUDGET})",
+    )
+    parser.add_argument(
+        "--fixed-budget",
+        action="store_true",
+        help="always verify the whole budget instead of choosing the tree size from measured costs",
+    )
+    parser.add_argument(
+        "--drafter",
+        choices=["reader", "none"],
+        default="reader",
+        help="reader: retrieval drafts from the request, earlier responses and --datastore; none: plain",
+    )
+    parser.add_argument("--datastore", metavar="DIR", help="corpus datastore built by `reader index build`")
+    parser.add_argument("--no-history", action="store_true", help="do not draft from earlier responses")
+
+
+def build_engine(args: argparse.Namespace, loaded: LoadedModel, max_batch_size: int) -> Engine:
+    """The engine the drafting options describe (a datastore of another tokenizer fails here)."""
+    drafter = None
+    if args.drafter == "reader":
+        datastore = Datastore.open(args.datastore, fingerprint=loaded.fingerprint) if args.datastore else None
+        drafter = ReaderDrafter(
+            history_tokens=0 if args.no_history else DEFAULT_MAX_TOKENS, datastore=datastore
+        )
+    return Engine(
+        loaded,
+        drafter,
+        budget=args.budget,
+        adaptive_budget=not args.fixed_budget,
+        max_batch_size=max_batch_size,
+    )

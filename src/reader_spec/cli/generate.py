@@ -12,12 +12,15 @@ from dataclasses import replace
 
 from tqdm import tqdm
 
-from reader_spec.cli.common import add_model_option, add_sampling_options, sampling_settings
+from reader_spec.cli.common import (
+    add_drafting_options,
+    add_model_option,
+    add_sampling_options,
+    build_engine,
+    sampling_settings,
+)
 from reader_spec.config import GenerationConfig
-from reader_spec.drafters import ReaderDrafter
-from reader_spec.drafters.retrieval.datastore import Datastore
-from reader_spec.drafters.retrieval.history import DEFAULT_MAX_TOKENS
-from reader_spec.engine.loop import DEFAULT_BUDGET, Engine
+from reader_spec.engine.loop import Engine
 from reader_spec.engine.sequence import Output, mean_accepted
 from reader_spec.loading import load_model
 from reader_spec.prompts import InputRecord, PromptError, read_jsonl
@@ -39,31 +42,10 @@ def add_parser(commands) -> None:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_sampling_options(gen)
     gen.add_argument("--batch-size", type=int, default=1, help="requests decoded together (default 1)")
-    gen.add_argument(
-        "--budget",
-        type=int,
-        default=DEFAULT_BUDGET,
-        help=f"most draft tokens per sequence and step ({DEFAULT_BUDGET})",
-    )
-    gen.add_argument(
-        "--fixed-budget",
-        action="store_true",
-        help="always verify the whole budget instead of choosing the tree size from measured costs",
-    )
-    gen.add_argument(
-        "--drafter",
-        choices=["reader", "none"],
-        default="reader",
-        help="reader: retrieval drafts from the request, earlier responses and --datastore; none: plain",
-    )
-    gen.add_argument("--datastore", metavar="DIR", help="corpus datastore built by `reader index build`")
-    gen.add_argument(
-        "--no-history", action="store_true", help="do not draft from earlier responses of this run"
-    )
+    add_drafting_options(gen)
     gen.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(handler=run)
-
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,13 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ValueError("--batch-size must be at least 1")
     loaded = load_model(args.model)
-    drafter = None
-    if args.drafter == "reader":
-        datastore = Datastore.open(args.datastore, fingerprint=loaded.fingerprint) if args.datastore else None
-        drafter = ReaderDrafter(
-            history_tokens=0 if args.no_history else DEFAULT_MAX_TOKENS, datastore=datastore
-        )
-    engine = Engine(loaded, drafter, budget=args.budget, adaptive_budget=not args.fixed_budget)
+    engine = build_engine(args, loaded, max_batch_size=args.batch_size)
     prompts = [engine.encode(r.prompt) for r in records]  # bad prompts fail before any model work
     ids = [r.id for r in records]
     engine.warm_up(args.batch_size)
@@ -106,7 +82,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_text(outputs, summary, baseline)
     return 0
-
 
 
 def request_configs(args: argparse.Namespace, records: list[InputRecord]) -> list[GenerationConfig]:
@@ -199,5 +174,3 @@ def _print_text(outputs: list[Output], summary: dict, baseline) -> None:
             f"in {summary['baseline_seconds']:.2f} s; speedup {summary['speedup']:.2f}x; "
             f"identical outputs {summary['identical']}/{len(outputs)}"
         )
-
-

@@ -135,5 +135,3 @@ def _size(size: float) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1000
     return f"{size:.2f} GB"
-
-

@@ -1,0 +1,360 @@
+"""The OpenAI-compatible HTTP API over an :class:`EngineService`.
+
+``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or not),
+``/v1/models``, ``/health`` and ``/metrics``. Every error is an OpenAI error object with a 4xx or 5xx
+status and no stack trace; a prompt is checked (template, vocabulary, context length) before it is
+queued, so that a bad request costs the engine nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from reader_spec.engine.loop import Update
+from reader_spec.prompts import PromptError
+from reader_spec.serve.metrics import Metrics
+from reader_spec.serve.protocol import (
+    DEFAULT_COMPLETION_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    finish_reason,
+)
+from reader_spec.serve.service import EngineService, QueueFull, ShuttingDown, Stream
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    shutdown_grace_seconds: float = 10.0
+
+
+def create_app(service: EngineService, settings: ServerSettings) -> FastAPI:
+    """The ASGI app; it starts the engine thread on start-up and stops it gracefully on shutdown."""
+    metrics = Metrics(service.engine.scheduler.num_rows)
+    service.on_step = metrics.record_step
+    tokenizer = service.engine.tokenizer
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.start()
+        yield
+        await asyncio.to_thread(service.stop, settings.shutdown_grace_seconds)
+
+    app = FastAPI(title="reader-spec", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.service, app.state.metrics = service, metrics
+
+    # --- cross-cutting: auth, body size, errors, request counts ----------------------------------
+    app.add_middleware(_Guard, settings=settings, metrics=metrics)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, error: OpenAIError):
+        return _error(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError):
+        first = error.errors()[0]
+        location = [str(part) for part in first.get("loc", ())[1:2]]  # the body's field, not its type
+        if first.get("type") == "json_invalid":
+            return _error(OpenAIError(400, "the body is not valid JSON"))
+        param = ".".join(location) or None
+        message = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+        return _error(OpenAIError(400, f"{param or 'body'}: {message}", param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        return _error(OpenAIError(error.status_code, str(error.detail)))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception):
+        log.exception("unexpected error serving %s", request.url.path)
+        return _error(OpenAIError(500, "internal server error"))
+
+    # --- endpoints ---------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        return {
+            "status": "ok",
+            "running": len(service.engine.scheduler.running),
+            "in_flight": service.in_flight,
+        }
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        model = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "reader-spec"}
+        return {"object": "list", "data": [model]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(body.model, settings)
+        body.check_supported()
+        tokens = _encode(service, body.prompt, "prompt")
+        requested = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
+        config = body.generation_config(_max_new_tokens(service, tokens, requested))
+        stream = _submit(service, tokens, config)
+        reply = _Reply("cmpl", "text_completion", settings.model_name, stream, service, tokenizer, config)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return _sse(reply.stream_completion(include_usage))
+        return await reply.whole(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_model(body.model, settings)
+        body.check_supported()
+        messages = [m.model_dump() for m in body.messages]
+        tokens = _encode(service, messages, "messages")
+        config = body.generation_config(_max_new_tokens(service, tokens, body.requested_tokens()))
+        stream = _submit(service, tokens, config)
+        reply = _Reply("chatcmpl", "chat.completion", settings.model_name, stream, service, tokenizer, config)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return _sse(reply.stream_chat(include_usage))
+        return await reply.whole(request, chat=True)
+
+    return app
+
+
+# --- request checks -----------------------------------------------------------------------------------
+def _check_model(name: str, settings: ServerSettings) -> None:
+    if name != settings.model_name:
+        raise OpenAIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {settings.model_name!r}",
+            "model",
+            "model_not_found",
+        )
+
+
+def _encode(service: EngineService, prompt, param: str) -> list[int]:
+    try:
+        return service.engine.encode(prompt)
+    except PromptError as e:
+        raise OpenAIError(400, str(e), param) from None
+
+
+def _max_new_tokens(service: EngineService, tokens: list[int], requested: int | None) -> int:
+    """The request's limit, or all the room the context leaves; a limit past the context is refused."""
+    room = service.engine.max_context - len(tokens) if service.engine.max_context else None
+    if requested is None:
+        return room if room is not None else DEFAULT_COMPLETION_TOKENS
+    if requested < 1:
+        raise OpenAIError(400, f"max_tokens must be at least 1, got {requested}", "max_tokens")
+    if room is not None and requested > room:
+        raise OpenAIError(
+            400,
+            f"max_tokens is {requested:,} but the prompt's {len(tokens):,} tokens leave {room:,} of the "
+            f"model's {service.engine.max_context:,}",
+            "max_tokens",
+        )
+    return requested
+
+
+def _submit(service: EngineService, tokens: list[int], config) -> Stream:
+    try:
+        return service.submit(tokens, config)
+    except QueueFull:
+        raise OpenAIError(429, "the server is at capacity; retry shortly", kind="rate_limit_error") from None
+    except ShuttingDown:
+        raise OpenAIError(503, "the server is shutting down") from None
+
+
+def _error(error: OpenAIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if error.status == 429 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    async def body():
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        except OpenAIError as error:  # after the headers went out: the error travels as an event
+            yield f"data: {json.dumps(error.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class _BodyTooLarge(OpenAIError):
+    def __init__(self, limit: int):
+        super().__init__(413, f"the body is over {limit:,} bytes")
+
+
+class _Guard:
+    """Pure ASGI middleware: the API key, the body size limit, and a count of responses by status."""
+
+    def __init__(self, app, settings: ServerSettings, metrics: Metrics):
+        self.app, self.settings, self.metrics = app, settings, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, headers, limit = scope["path"], dict(scope["headers"]), self.settings.max_body_bytes
+        counted = path.startswith("/v1/")
+
+        async def counting_send(message):
+            if counted and message["type"] == "http.response.start":
+                self.metrics.requests.labels(status=str(message["status"])).inc()
+            await send(message)
+
+        key = self.settings.api_key
+        if (
+            key is not None
+            and path != "/health"
+            and headers.get(b"authorization") != f"Bearer {key}".encode()
+        ):
+            error = OpenAIError(401, "missing or wrong API key", kind="authentication_error")
+            return await _error(error)(scope, receive, counting_send)
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > limit:
+            return await _error(_BodyTooLarge(limit))(scope, receive, counting_send)
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise _BodyTooLarge(limit)
+            return message
+
+        await self.app(scope, limited_receive, counting_send)
+
+
+# --- replies ---------------------------------------------------------------------------------------------
+class _Reply:
+    """Turns one request's updates into OpenAI response objects, streamed or whole."""
+
+    def __init__(self, prefix, kind, model, stream: Stream, service: EngineService, tokenizer, config):
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.kind, self.model, self.created = kind, model, int(time.time())
+        self.stream, self.service, self.tokenizer = stream, service, tokenizer
+        self.hold_back = max((len(s) for s in config.stop_strings), default=1) - 1
+        self.tokens: list[int] = []
+        self.sent = ""
+
+    async def updates(self) -> AsyncIterator[Update]:
+        """The request's updates until it finishes; cancels it if the caller stops listening."""
+        done = False
+        try:
+            while True:
+                item = await self.stream.updates.get()
+                if item is None:
+                    done = True
+                    return
+                if isinstance(item, ShuttingDown):
+                    done = True
+                    raise OpenAIError(503, str(item))
+                if isinstance(item, Exception):
+                    done = True
+                    raise OpenAIError(500, "the engine failed on this request")
+                self.tokens.extend(item.new_tokens)
+                yield item
+        finally:
+            if not done:
+                self.service.cancel(self.stream.key)
+
+    def delta(self, update: Update) -> str:
+        """Text not sent yet that can no longer change: an unfinished character or the start of a
+        stop string is held back until the next tokens settle it."""
+        if update.output is not None:
+            text = update.output.text
+        else:
+            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True).rstrip("\ufffd")
+            text = text[: len(text) - self.hold_back] if self.hold_back else text
+        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+            return ""
+        new, self.sent = text[len(self.sent) :], text
+        return new
+
+    def usage(self) -> dict:
+        completion = len(self.tokens)
+        prompt = self.stream.prompt_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def chunk(self, choice: dict) -> dict:
+        kind = "chat.completion.chunk" if self.kind == "chat.completion" else self.kind
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+
+    async def whole(self, request: Request, chat: bool) -> dict:
+        """The finished response; a client that goes away first cancels the request."""
+        collect = asyncio.ensure_future(self._output())
+        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+        await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        watcher.cancel()
+        if not collect.done():
+            collect.cancel()  # the generator's clean-up cancels the request in the engine
+            raise OpenAIError(499, "the client went away")
+        output = collect.result()
+        reason = finish_reason(output.finish_reason)
+        if chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": output.text},
+                "finish_reason": reason,
+            }
+        else:
+            choice = {"index": 0, "text": output.text, "logprobs": None, "finish_reason": reason}
+        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self.usage()}  # fmt: skip
+
+    async def _output(self):
+        output = None
+        async for update in self.updates():
+            output = update.output or output
+        return output
+
+    async def stream_completion(self, include_usage: bool) -> AsyncIterator[dict]:
+        async for update in self.updates():
+            text = self.delta(update)
+            reason = finish_reason(update.output.finish_reason) if update.output is not None else None
+            if text or reason:
+                yield self.chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+        if include_usage:
+            yield {**self.chunk({}), "choices": [], "usage": self.usage()}
+
+    async def stream_chat(self, include_usage: bool) -> AsyncIterator[dict]:
+        yield self.chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+        async for update in self.updates():
+            text = self.delta(update)
+            reason = finish_reason(update.output.finish_reason) if update.output is not None else None
+            if text or reason:
+                delta = {"content": text} if text else {}
+                yield self.chunk({"index": 0, "delta": delta, "finish_reason": reason})
+        if include_usage:
+            yield {**self.chunk({}), "choices": [], "usage": self.usage()}
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_SECONDS)

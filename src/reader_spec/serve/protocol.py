@@ -1,0 +1,145 @@
+"""The OpenAI request bodies this server accepts, checked field by field, and its error objects.
+
+Parameters keep the OpenAI names and meanings; ``top_k``, ``min_p`` and ``repetition_penalty`` are
+extra body fields (as vLLM takes them). OpenAI parameters this server does not implement are refused
+with a 400 naming the field when they ask for something other than their default, rather than
+silently ignored; unknown fields are ignored, as OpenAI's own clients send a few.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+
+from reader_spec.config import GenerationConfig
+
+DEFAULT_COMPLETION_TOKENS = 16
+"""OpenAI's default ``max_tokens`` for completions; chat completions run to the context instead."""
+
+UNSUPPORTED_DEFAULTS: dict[str, Any] = {
+    "n": 1,
+    "best_of": 1,
+    "echo": False,
+    "logprobs": None,
+    "top_logprobs": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "logit_bias": None,
+    "suffix": None,
+    "tools": None,
+    "tool_choice": None,
+    "functions": None,
+    "function_call": None,
+    "response_format": None,
+}
+"""OpenAI parameters this server does not implement, and the values that ask for nothing."""
+
+Number = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class OpenAIError(Exception):
+    """An error the client caused or should hear about, as OpenAI reports it."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr
+    max_tokens: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    top_k: StrictInt = 0
+    min_p: Number = 0.0
+    repetition_penalty: Number = 1.0
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop):
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return stops
+
+    def check_supported(self) -> None:
+        """Refuse OpenAI parameters that ask for behaviour this server does not have."""
+        extra = self.model_extra or {}
+        for name, default in UNSUPPORTED_DEFAULTS.items():
+            if name in extra and extra[name] not in (default, None):
+                raise OpenAIError(400, f"{name}={extra[name]!r} is not supported by this server", name)
+
+    def generation_config(self, max_new_tokens: int) -> GenerationConfig:
+        """The engine's settings; raises ``OpenAIError`` naming the field that is out of range."""
+        settings = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed,
+        }
+        try:
+            return GenerationConfig(
+                max_new_tokens=max_new_tokens, stop_strings=tuple(self.stop or ()), **settings
+            )
+        except ValueError as e:
+            param = next((name for name in settings if str(e).startswith(name)), None)
+            raise OpenAIError(400, str(e), param) from None
+
+
+class CompletionRequest(_Request):
+    prompt: StrictStr | list[StrictInt] | list[StrictStr]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise ValueError("one prompt per request (n=1): a list of strings must hold exactly one")
+            prompt = prompt[0]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        return prompt
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: StrictStr
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, messages):
+        if not messages:
+            raise ValueError("messages must hold at least one message")
+        return messages
+
+    def requested_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def finish_reason(engine_reason: str) -> str:
+    """The engine's ``length`` / ``eos`` / ``stop`` in OpenAI's words."""
+    return "length" if engine_reason == "length" else "stop"
