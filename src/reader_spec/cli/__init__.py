@@ -6,12 +6,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from reader_spec.cli import bench, calibrate, generate, index, serve
+from reader_spec.cli import bench, bench_serve, calibrate, generate, index, serve
 from reader_spec.drafters.retrieval.datastore import DatastoreError
 from reader_spec.loading import ModelLoadError
 from reader_spec.prompts import PromptError
 
-COMMANDS = (generate, bench, index, calibrate, serve)
+COMMANDS = (generate, bench, index, calibrate, serve, bench_serve)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
