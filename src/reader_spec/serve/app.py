@@ -127,7 +127,8 @@ def create_app(service: EngineService, settings: ServerSettings) -> FastAPI:
         body.check_supported()
         messages = [m.model_dump() for m in body.messages]
         tokens = _encode(service, messages, "messages")
-        config = body.generation_config(_max_new_tokens(service, tokens, body.requested_tokens()))
+        limit = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        config = body.generation_config(_max_new_tokens(service, tokens, body.requested_tokens(), limit))
         stream = _submit(service, tokens, config)
         reply = _Reply("chatcmpl", "chat.completion", settings.model_name, stream, service, tokenizer, config)
         if body.stream:
@@ -145,7 +146,7 @@ def _check_model(name: str, settings: ServerSettings) -> None:
             404,
             f"the model {name!r} does not exist; this server serves {settings.model_name!r}",
             "model",
-            "model_not_found",
+            code="model_not_found",
         )
 
 
@@ -156,19 +157,22 @@ def _encode(service: EngineService, prompt, param: str) -> list[int]:
         raise OpenAIError(400, str(e), param) from None
 
 
-def _max_new_tokens(service: EngineService, tokens: list[int], requested: int | None) -> int:
-    """The request's limit, or all the room the context leaves; a limit past the context is refused."""
+def _max_new_tokens(
+    service: EngineService, tokens: list[int], requested: int | None, param: str = "max_tokens"
+) -> int:
+    """The request's limit (the body's field ``param``), or all the room the context leaves; a limit past
+    the context is refused."""
     room = service.engine.max_context - len(tokens) if service.engine.max_context else None
     if requested is None:
         return room if room is not None else DEFAULT_COMPLETION_TOKENS
     if requested < 1:
-        raise OpenAIError(400, f"max_tokens must be at least 1, got {requested}", "max_tokens")
+        raise OpenAIError(400, f"{param} must be at least 1, got {requested}", param)
     if room is not None and requested > room:
         raise OpenAIError(
             400,
-            f"max_tokens is {requested:,} but the prompt's {len(tokens):,} tokens leave {room:,} of the "
+            f"{param} is {requested:,} but the prompt's {len(tokens):,} tokens leave {room:,} of the "
             f"model's {service.engine.max_context:,}",
-            "max_tokens",
+            param,
         )
     return requested
 
@@ -238,8 +242,8 @@ class _Guard:
             nonlocal received
             message = await receive()
             received += len(message.get("body", b""))
-            if received > limit:
-                raise _BodyTooLarge(limit)
+            if received > limit:  # FastAPI re-raises an HTTPException from reading the body, not others
+                raise StarletteHTTPException(413, _BodyTooLarge(limit).message)
             return message
 
         await self.app(scope, limited_receive, counting_send)

@@ -41,13 +41,20 @@ Number = Annotated[float, Field(allow_inf_nan=False)]
 class OpenAIError(Exception):
     """An error the client caused or should hear about, as OpenAI reports it."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.code = status, message, param, code
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 class StreamOptions(BaseModel):

@@ -78,6 +78,8 @@ class EngineService:
 
     # --- event-loop side -------------------------------------------------------------------------
     def start(self) -> None:
+        """Measure the costs any batch up to the engine's size needs (once per machine), then serve."""
+        self.engine.calibrate(self.engine.scheduler.num_rows)
         self._thread.start()
 
     @property

@@ -1,0 +1,199 @@
+"""The server's guards and bookkeeping: API key, body size, queue overflow, metrics, and clients that go
+away (their cache row is freed, not decoded to the end)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.serve.conftest import MODEL, ThrottledEngine, live_server, make_engine, wait_for
+
+API_KEY = "secret"
+BODY_LIMIT = 2048
+LONG = {"model": MODEL, "prompt": "w5 w6 w7", "max_tokens": 2000, "temperature": 0}
+"""A request that decodes for ~190 steps on the tiny model (its greedy output never ends early)."""
+
+
+def metric(live, name: str, **labels) -> float:
+    """The sum of a metric's samples with these labels, as /metrics shows it."""
+    response = httpx.get(f"{live.url}/metrics", headers=live.headers)
+    assert response.status_code == 200
+    total = 0.0
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def assert_error(response: httpx.Response, status: int, kind: str, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["type"] == kind
+    assert error["param"] == param
+    assert isinstance(error["message"], str) and error["message"]
+    return error
+
+
+@pytest.fixture(scope="module")
+def guarded(tiny):
+    with live_server(make_engine(tiny), api_key=API_KEY, max_body_bytes=BODY_LIMIT) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def slow(tiny):
+    """A server whose engine steps take 50 ms: a long request is still decoding seconds later."""
+    engine = make_engine(tiny, max_batch_size=2, engine_class=ThrottledEngine, step_delay=0.05)
+    with live_server(engine) as live:
+        yield live
+
+
+def test_health_needs_no_key_but_the_api_does(guarded):
+    health = httpx.get(f"{guarded.url}/health")
+    assert health.status_code == 200
+    assert health.json()["status"] == "ok"
+
+    assert_error(httpx.get(f"{guarded.url}/v1/models"), 401, "authentication_error")
+    wrong = {"Authorization": "Bearer not-the-key"}
+    assert_error(httpx.get(f"{guarded.url}/v1/models", headers=wrong), 401, "authentication_error")
+    assert_error(httpx.get(f"{guarded.url}/metrics"), 401, "authentication_error")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="not-the-key", max_retries=0).models.list()
+
+    assert httpx.get(f"{guarded.url}/v1/models", headers=guarded.headers).status_code == 200
+    assert httpx.get(f"{guarded.url}/metrics", headers=guarded.headers).status_code == 200
+    with guarded.client() as client:
+        reply = client.completions.create(model=MODEL, prompt="w5 w6", max_tokens=3, temperature=0)
+    assert reply.usage.completion_tokens == 3
+
+
+def test_body_over_the_limit_gets_413(guarded):
+    url = f"{guarded.url}/v1/completions"
+    body = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 3, "temperature": 0}
+    small = json.dumps(body).encode()
+    fits = small[:-1] + b" " * (BODY_LIMIT - len(small)) + b"}"
+    over = small[:-1] + b" " * (BODY_LIMIT + 1 - len(small)) + b"}"
+    headers = {**guarded.headers, "Content-Type": "application/json"}
+    assert len(fits) == BODY_LIMIT and len(over) == BODY_LIMIT + 1
+
+    assert httpx.post(url, content=fits, headers=headers).status_code == 200
+    assert_error(httpx.post(url, content=over, headers=headers), 413, "invalid_request_error")
+
+    def chunked():  # no Content-Length: the limit holds for the bytes as they arrive
+        for start in range(0, len(over), 512):
+            yield over[start : start + 512]
+
+    assert_error(httpx.post(url, content=chunked(), headers=headers), 413, "invalid_request_error")
+    assert guarded.wait_until_idle()
+
+
+def test_queue_overflow_gets_429_with_retry_after(tiny):
+    engine = make_engine(tiny, max_batch_size=1, engine_class=ThrottledEngine)
+    with live_server(engine, max_queue=1) as live:
+        url = f"{live.url}/v1/completions"
+        body = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 5, "temperature": 0}
+        engine.gate.clear()  # no step runs: the first two requests hold the batch row and the queue
+        try:
+            with ThreadPoolExecutor(5) as pool:
+                replies = [pool.submit(httpx.post, url, json=body, timeout=30) for _ in range(5)]
+                assert wait_for(lambda: sum(r.done() for r in replies) == 3)
+                assert live.service.in_flight == 2
+                with pytest.raises(openai.RateLimitError) as refused, live.client() as client:
+                    client.completions.create(model=MODEL, prompt="w5", max_tokens=2, temperature=0)
+                assert refused.value.response.headers["retry-after"] == "1"
+                engine.gate.set()
+                statuses = sorted(r.result().status_code for r in replies)
+        finally:
+            engine.gate.set()
+        assert statuses == [200, 200, 429, 429, 429]
+        for reply in (r.result() for r in replies):
+            if reply.status_code == 429:
+                assert reply.headers["retry-after"] == "1"
+                assert_error(reply, 429, "rate_limit_error")
+            else:
+                assert reply.json()["usage"]["completion_tokens"] == 5
+        assert live.wait_until_idle()
+        assert httpx.post(url, json=body, timeout=30).status_code == 200  # capacity is back
+
+
+def test_metrics_count_requests_tokens_and_accepted_drafts(server):
+    before = metric(server, "reader_generated_tokens_total")
+    ok_before = metric(server, "reader_requests_total", status="200")
+    generated = 0
+    with server.client() as client:
+        for prompt in ["w5 w6 w7 w5 w6 w7", "w9 w8 w9 w8 w9 w8"]:
+            reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+            generated += reply.usage.completion_tokens
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other", prompt="w5", max_tokens=2)
+
+    # an engine step publishes its updates first and records its metrics right after
+    assert wait_for(lambda: metric(server, "reader_generated_tokens_total") == before + generated)
+    assert metric(server, "reader_requests_total", status="200") == ok_before + 2
+    assert metric(server, "reader_requests_total", status="404") >= 1
+    assert metric(server, "reader_draft_tokens_accepted_total") > 0  # the output loops: drafts hit
+
+
+def open_raw_request(port: int, path: str, body: dict) -> socket.socket:
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    connection = socket.create_connection(("127.0.0.1", port))
+    connection.sendall(head.encode() + data)
+    return connection
+
+
+def test_client_going_away_frees_its_row(slow):
+    running = slow.engine.scheduler.running
+    generated = metric(slow, "reader_generated_tokens_total")
+    went_away = metric(slow, "reader_requests_total", status="499")
+
+    connection = open_raw_request(slow.port, "/v1/completions", LONG)
+    try:
+        assert wait_for(lambda: len(running) == 1)
+        time.sleep(0.2)  # a few steps
+        assert len(running) == 1
+    finally:
+        connection.close()
+    closed = time.monotonic()
+    assert wait_for(lambda: not running, timeout=3)
+    assert time.monotonic() - closed < 2  # finishing would take ~190 steps of 50 ms
+    assert slow.wait_until_idle()
+    assert wait_for(lambda: metric(slow, "reader_requests_total", status="499") == went_away + 1)
+    assert metric(slow, "reader_generated_tokens_total") == generated  # cancelled, never finished
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_dropped_stream_frees_its_row(slow, path):
+    running = slow.engine.scheduler.running
+    generated = metric(slow, "reader_generated_tokens_total")
+    body = {**LONG, "stream": True}
+    if path.endswith("chat/completions"):
+        body = {k: v for k, v in body.items() if k != "prompt"}
+        body["messages"] = [{"role": "user", "content": "w5 w6 w7"}]
+
+    with httpx.Client(base_url=slow.url, timeout=30) as client:
+        with client.stream("POST", path, json=body) as response:
+            assert response.status_code == 200
+            chunks = 0
+            for line in response.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks == 2:
+                    break
+            assert len(running) == 1
+        closed = time.monotonic()
+        assert wait_for(lambda: not running, timeout=3)
+        assert time.monotonic() - closed < 2
+        assert client.get("/health").status_code == 200
+    assert slow.wait_until_idle()
+    assert metric(slow, "reader_generated_tokens_total") == generated

@@ -1,0 +1,282 @@
+"""The live server through the real ``openai`` client: completions and chat completions, whole or streamed,
+give exactly what the engine gives offline (``reader generate``'s path) for the same prompt and settings."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from reader_spec.config import GenerationConfig
+from tests.serve.conftest import MODEL, make_engine
+
+CHAT = [{"role": "system", "content": "w3 w4"}, {"role": "user", "content": "w5 w6 w7"}]
+TEXT = "w10 w11 w12 w13"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """The engine ``reader generate`` runs, its own instance, driven offline with ``Engine.generate``."""
+    return make_engine(tiny)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with server.client() as client:
+        yield client
+
+
+def generation_config(max_tokens, temperature=0.0, seed=None, stop=(), top_p=1.0, top_k=0):
+    """The engine settings the server builds from these OpenAI parameters."""
+    return GenerationConfig(
+        max_new_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        stop_strings=tuple(stop),
+        top_p=top_p,
+        top_k=top_k,
+    )
+
+
+def openai_reason(engine_reason: str) -> str:
+    return "length" if engine_reason == "length" else "stop"
+
+
+def chat_template_length(tokenizer, messages) -> int:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return len(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+
+
+def create(client, kind, prompt, **params):
+    """One request of either kind; streamed ones are returned as their list of chunks."""
+    if kind == "chat":
+        return client.chat.completions.create(model=MODEL, messages=prompt, **params)
+    return client.completions.create(model=MODEL, prompt=prompt, **params)
+
+
+def text_of(response, kind) -> str:
+    choice = response.choices[0]
+    return choice.message.content if kind == "chat" else choice.text
+
+
+def streamed_text(chunks, kind) -> str:
+    if kind == "chat":
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def finish_reasons(chunks) -> list[str]:
+    return [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+
+
+PROMPTS = {"chat": CHAT, "completion": TEXT}
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_chat_completion_equals_engine_output_and_counts_usage(client, reference, tiny):
+    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
+    expected = reference.generate([CHAT], generation_config(20))[0]
+
+    assert response.object == "chat.completion"
+    assert response.model == MODEL
+    (choice,) = response.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected.text
+    assert choice.finish_reason == openai_reason(expected.finish_reason)
+    prompt_tokens = chat_template_length(tiny.tokenizer, CHAT)
+    assert response.usage.prompt_tokens == prompt_tokens
+    assert response.usage.completion_tokens == len(expected.tokens)
+    assert response.usage.total_tokens == prompt_tokens + len(expected.tokens)
+
+
+def test_completion_equals_engine_output_and_counts_usage(client, reference, tiny):
+    response = client.completions.create(model=MODEL, prompt=TEXT, max_tokens=12, temperature=0)
+    expected = reference.generate([TEXT], generation_config(12))[0]
+
+    assert response.object == "text_completion"
+    (choice,) = response.choices
+    assert choice.text == expected.text
+    assert choice.finish_reason == openai_reason(expected.finish_reason)
+    assert response.usage.prompt_tokens == len(tiny.tokenizer(TEXT)["input_ids"])
+    assert response.usage.completion_tokens == len(expected.tokens) == 12
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 12
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_seeded_sample_repeats_and_equals_engine_output(client, reference, kind):
+    prompt = PROMPTS[kind]
+    params = {"max_tokens": 24, "temperature": 0.8, "seed": 7}
+    first = create(client, kind, prompt, **params)
+    second = create(client, kind, prompt, **params)
+    expected = reference.generate([prompt], generation_config(24, temperature=0.8, seed=7))[0]
+
+    assert text_of(first, kind) == text_of(second, kind) == expected.text
+    assert first.usage.completion_tokens == second.usage.completion_tokens == len(expected.tokens)
+    other_seed = create(client, kind, prompt, **{**params, "seed": 8})
+    assert text_of(other_seed, kind) != expected.text  # the seed is what makes the sample repeat
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_stop_string_cuts_the_text_before_it(client, reference, kind):
+    prompt = PROMPTS[kind]
+    full = text_of(create(client, kind, prompt, max_tokens=20, temperature=0), kind)
+    words = full.split()
+    assert len(words) > 8, full
+    stop = f"{words[5]} {words[6]}"  # spans two tokens: the stream must hold its start back
+    cut = full[: full.index(stop)]
+    expected = reference.generate([prompt], generation_config(20, stop=[stop]))[0]
+
+    whole = create(client, kind, prompt, max_tokens=20, temperature=0, stop=[stop, "never seen"])
+    chunks = list(create(client, kind, prompt, max_tokens=20, temperature=0, stop=stop, stream=True))
+
+    assert text_of(whole, kind) == streamed_text(chunks, kind) == cut == expected.text
+    assert stop not in cut
+    assert whole.choices[0].finish_reason == "stop"
+    assert finish_reasons(chunks) == ["stop"]
+    assert whole.usage.completion_tokens == len(expected.tokens)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_p": 0.9, "seed": 3}])
+def test_streamed_text_equals_whole_text(client, kind, sampling):
+    prompt = PROMPTS[kind]
+    whole = create(client, kind, prompt, max_tokens=30, **sampling)
+    chunks = list(create(client, kind, prompt, max_tokens=30, stream=True, **sampling))
+
+    assert streamed_text(chunks, kind) == text_of(whole, kind)
+    assert finish_reasons(chunks) == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices[0].finish_reason is not None  # the finish reason comes last
+    assert len({c.id for c in chunks}) == 1
+    assert all(c.usage is None for c in chunks)  # no usage unless asked for
+    if kind == "chat":
+        assert chunks[0].object == "chat.completion.chunk"
+        assert chunks[0].choices[0].delta.role == "assistant"
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_stream_include_usage_ends_with_a_usage_chunk(client, kind):
+    prompt = PROMPTS[kind]
+    whole = create(client, kind, prompt, max_tokens=10, temperature=0)
+    chunks = list(
+        create(
+            client,
+            kind,
+            prompt,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+
+    last = chunks[-1]
+    assert last.choices == []
+    assert last.usage is not None
+    assert last.usage.model_dump() == whole.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+    assert streamed_text(chunks, kind) == text_of(whole, kind)
+
+
+def concurrent_cases(count: int) -> list[dict]:
+    """Chat and text prompts, greedy and seeded (some with top-p or top-k), whole and streamed."""
+    cases = []
+    for i in range(count):
+        rng = random.Random(i)
+        words = " ".join(f"w{rng.randrange(2, 93)}" for _ in range(rng.randint(2, 12)))
+        kind = "chat" if i % 2 == 0 else "completion"
+        prompt = [{"role": "user", "content": words}] if kind == "chat" else words
+        sampling = [
+            {"temperature": 0.0},
+            {"temperature": 0.8, "seed": i},
+            {"temperature": 0.0},
+            {"temperature": 1.0, "top_p": 0.9, "seed": 100 + i},
+        ][i % 4]
+        extra = {"top_k": 20} if i % 8 == 5 else {}
+        cases.append(
+            {
+                "kind": kind,
+                "prompt": prompt,
+                "max_tokens": 8 + (i * 5) % 17,
+                "sampling": sampling,
+                "extra": extra,
+                "stream": i % 3 == 0,
+            }
+        )
+    return cases
+
+
+@pytest.fixture(scope="module")
+def concurrent(reference):
+    """Sixteen requests and the outputs ``Engine.generate`` gives for them (batched its own way)."""
+    cases = concurrent_cases(16)
+    configs = [generation_config(case["max_tokens"], **case["sampling"], **case["extra"]) for case in cases]
+    return cases, reference.generate([case["prompt"] for case in cases], configs, batch_size=4)
+
+
+def request_of(case) -> dict:
+    params = {"max_tokens": case["max_tokens"], **case["sampling"]}
+    if case["extra"]:
+        params["extra_body"] = case["extra"]
+    if case["stream"]:
+        params.update(stream=True, stream_options={"include_usage": True})
+    method = "chat" if case["kind"] == "chat" else "completion"
+    return {"messages" if method == "chat" else "prompt": case["prompt"], "model": MODEL, **params}
+
+
+def summary(case, reply) -> tuple[str, str, int]:
+    """Text, finish reason and completion tokens of a response or of a stream's chunks."""
+    if case["stream"]:
+        return (
+            streamed_text(reply, case["kind"]),
+            finish_reasons(reply)[-1],
+            reply[-1].usage.completion_tokens,
+        )
+    return text_of(reply, case["kind"]), reply.choices[0].finish_reason, reply.usage.completion_tokens
+
+
+def check_concurrent(cases, expected, results) -> None:
+    for case, output, (text, reason, completion_tokens) in zip(cases, expected, results, strict=True):
+        assert text == output.text, case
+        assert reason == openai_reason(output.finish_reason), case
+        assert completion_tokens == len(output.tokens), case
+
+
+def test_sixteen_concurrent_threads_get_exactly_the_engine_outputs(server, concurrent):
+    cases, expected = concurrent
+    start = threading.Barrier(len(cases))
+
+    def run(case):
+        with server.client() as client:
+            endpoint = client.chat.completions if case["kind"] == "chat" else client.completions
+            start.wait(timeout=30)
+            reply = endpoint.create(**request_of(case))
+            return summary(case, list(reply) if case["stream"] else reply)
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(run, cases))
+    check_concurrent(cases, expected, results)
+    assert server.wait_until_idle()
+
+
+def test_sixteen_concurrent_async_clients_get_exactly_the_engine_outputs(server, concurrent):
+    cases, expected = concurrent
+
+    async def run(case):
+        async with server.async_client() as client:
+            endpoint = client.chat.completions if case["kind"] == "chat" else client.completions
+            reply = await endpoint.create(**request_of(case))
+            return summary(case, [chunk async for chunk in reply] if case["stream"] else reply)
+
+    async def run_all():
+        return await asyncio.gather(*(run(case) for case in cases))
+
+    check_concurrent(cases, expected, asyncio.run(run_all()))
+    assert server.wait_until_idle()
