@@ -2,16 +2,16 @@
 
 The reference below builds, by brute force, the suffix trie ArcticInference keeps (every substring of at
 most ``max_depth`` tokens of each sequence, with occurrence counts) and speculates on it the way
-``SuffixTree::speculate`` does: every match length from the longest down, a best-first heap (or a greedy
-descent) from the matched node with probabilities multiplied edge by edge, strict improvement, and the
-global tree only when it scores strictly higher. Exact fractions keep its arithmetic honest.
+``SuffixTree::speculate`` does: every match length shorter than the context window, from the longest
+down, a best-first heap (or a greedy descent) from the matched node with float32 probabilities
+multiplied where the count drops (ArcticInference's compressed nodes), float32 scores with strict
+improvement, and the global tree only when it scores strictly higher. Its float32 arithmetic is numpy's.
 """
 
 from __future__ import annotations
 
 import heapq
 import random
-from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -43,50 +43,60 @@ def suffix_trie(sequences: list[list[int]], max_depth: int) -> TrieNode:
     return root
 
 
+f32 = np.float32
+
+
 def reference_speculate(sequences, text, max_nodes, max_depth, factor, offset, min_prob, use_tree, to_beat):
-    """ArcticInference's speculate on a brute-force trie; ties: higher count, shallower, newer."""
+    """ArcticInference's speculate on a brute-force trie. Ties: a chain takes the most frequent child,
+    then the newest; a tree pops the highest probability, then count, then the shallower, then newest."""
     root = suffix_trie(sequences, max_depth)
-    pattern = text[-max_depth:]
+    context = text[-max_depth:]
+    min_prob = f32(min_prob)
     best, best_score = ((), (), ()), to_beat
-    for length in range(len(pattern), 0, -1):
+    for length in range(len(context) - 1, 0, -1):  # never the whole context
         node = root
-        for token in pattern[-length:]:
+        for token in context[-length:]:
             node = node.kids.get(token)
             if node is None:
                 break
         if node is None:
             continue
-        budget = max(0, min(max_nodes, int(length * factor + offset + 1e-6)))
+        limit = float(f32(length) * f32(factor) + f32(offset)) + 1e-6
+        budget = max(0, min(max_nodes, int(limit)))
         tokens, parents, probs = [], [], []
         if use_tree:
             heap = []
 
             def push(above, prob, parent, depth, heap=heap):
                 for token, kid in above.kids.items():
-                    p = prob * Fraction(kid.count, above.count)
+                    # A compressed node (same count) keeps its probability; a drop multiplies.
+                    p = prob if kid.count == above.count else prob * f32(kid.count) / f32(above.count)
                     if p >= min_prob:
                         newest = (-kid.newest[0], -kid.newest[1])
-                        heapq.heappush(heap, (-p, depth + 1, newest, token, kid, parent))
+                        heapq.heappush(heap, (-p, -kid.count, depth + 1, newest, token, kid, parent))
 
-            push(node, Fraction(1), -1, 0)
+            push(node, f32(1), -1, 0)
             while heap and len(tokens) < budget:
-                neg_prob, depth, _, token, kid, parent = heapq.heappop(heap)
+                neg_prob, _, depth, _, token, kid, parent = heapq.heappop(heap)
                 tokens.append(token)
                 parents.append(parent)
                 probs.append(-neg_prob)
                 push(kid, -neg_prob, len(tokens) - 1, depth)
         else:
-            prob = Fraction(1)
+            prob = f32(1)
             while len(tokens) < budget and node.kids:
                 token, kid = max(node.kids.items(), key=lambda item: (item[1].count, item[1].newest))
-                prob *= Fraction(kid.count, node.count)
+                if kid.count < node.count:
+                    prob = prob * (f32(kid.count) / f32(node.count))
                 if prob < min_prob:
                     break
                 tokens.append(token)
                 parents.append(len(tokens) - 2)
                 probs.append(prob)
                 node = kid
-        score = sum(probs, Fraction(0))
+        score = f32(0)
+        for p in probs:
+            score = score + p
         if score > best_score:
             best, best_score = (tuple(tokens), tuple(parents), tuple(probs)), score
     return best, best_score
@@ -114,7 +124,7 @@ class ReferenceDrafter:
 
     def propose(self, request, max_nodes):
         text = self.texts[request]
-        local, score = reference_speculate([text], text, max_nodes, *self.settings, Fraction(0))
+        local, score = reference_speculate([text], text, max_nodes, *self.settings, f32(0))
         shared_sequences = self.finished + list(self.responses.values())
         shared, _ = reference_speculate(shared_sequences, text, max_nodes, *self.settings, score)
         return shared if shared != ((), (), ()) else local
@@ -153,7 +163,7 @@ def compare_with_reference(seed: int) -> tuple[int, int]:
             proposal = drafter.propose(r, budget)
             tokens, parents, probs = reference.propose(r, budget)
             assert (proposal.tokens, proposal.parents) == (tokens, parents), (seed, r, steps)
-            assert proposal.probs == pytest.approx([float(p) for p in probs], abs=1e-12)
+            assert proposal.probs == tuple(float(p) for p in probs)  # float32 values, exactly
             assert set(proposal.sources) <= {SOURCE}
             steps += 1
             branched += len(set(parents)) < len(parents)
@@ -263,6 +273,71 @@ def test_global_tree_serves_later_requests():
     drafter.observe("fourth", proposal, [0])
     with pytest.raises(ValueError):
         drafter.begin("fourth", [1])
+
+
+def test_matches_never_span_the_whole_context():
+    drafter = SuffixDecodingDrafter()
+    drafter.begin("a", [50])
+    drafter.extend("a", [1, 2, 3, 4, 5, 6])
+    drafter.end("a")
+    drafter.begin("b", [1, 2, 3])  # the whole context occurs in the earlier response
+    # As ArcticInference, only suffixes shorter than the context are matched: [2, 3], two tokens.
+    assert drafter.propose("b", 16).tokens == (4, 5)
+
+
+def responses_then(drafter: SuffixDecodingDrafter, responses: list[list[int]], prompt: list[int]) -> None:
+    """Finished responses in the global tree, then a request with ``prompt``."""
+    for i, response in enumerate(responses):
+        drafter.begin(("done", i), [0])
+        drafter.extend(("done", i), response)
+        drafter.end(("done", i))
+    drafter.begin("new", prompt)
+
+
+@pytest.mark.parametrize(
+    ("counts", "use_tree", "kept"),
+    [
+        ((10, 9, 1), True, False),
+        ((10, 9, 1), False, True),
+        ((30, 19, 3), True, True),
+        ((30, 19, 3), False, False),
+    ],
+)
+def test_probabilities_are_float32_products(counts, use_tree, kept):
+    # [5, 6] occurs `total` times, `first` times followed by 7, `second` times by 7 8: exactly, 8 has
+    # probability 1/10, on min_token_prob. ArcticInference multiplies in float32, p * (c / n) in a chain
+    # and (p * c) / n in a tree, and the rounding decides.
+    total, first, second = counts
+    responses = [[5, 6]] * (total - first) + [[5, 6, 7]] * (first - second) + [[5, 6, 7, 8]] * second
+    drafter = SuffixDecodingDrafter(use_tree=use_tree)
+    responses_then(drafter, responses, [60, 5, 6])
+    proposal = drafter.propose("new", 16)
+    p7 = f32(first) / f32(total)
+    assert proposal.tokens == ((7, 8) if kept else (7,))
+    assert proposal.probs[0] == float(p7)
+    if kept:
+        p8 = p7 * f32(second) / f32(first) if use_tree else p7 * (f32(second) / f32(first))
+        assert proposal.probs[1] == float(p8) == float(f32(0.1))
+
+
+def test_scores_are_float32_sums():
+    # The request's own text drafts [300, 301] at 1/2 each: score 1. The global tree drafts ten tokens
+    # at 1/10 each: exactly 1 too, but 1.0000001 summed in float32, so it replaces the request's draft.
+    s = list(range(100, 110))
+    drafter = SuffixDecodingDrafter()
+    responses_then(drafter, [s] * 9 + [s + list(range(200, 210))], [108, 109, 300, 301, 7, *s])
+    assert drafter.propose("new", 16).tokens == tuple(range(200, 210))
+    text = drafter._texts["new"]
+    local = suffix.speculate([text], text.tail(64), 16, **drafter.settings)
+    assert local.tokens == (300, 301) and local.score == 1.0
+
+
+def test_budget_is_computed_in_float32():
+    # A 30-token match: 30 * 1.05 + 0.5 is 32 exactly, 31.999998 in float32, so 31 tokens.
+    block = list(range(100, 170))
+    drafter = SuffixDecodingDrafter(max_spec_factor=1.05, max_spec_offset=0.5)
+    drafter.begin(0, [*block, 1, *block[:30]])
+    assert drafter.propose(0, 40).tokens == tuple(block[30:61])
 
 
 def test_invalid_settings_and_tokens():

@@ -7,22 +7,30 @@ What it does, as ArcticInference's ``SuffixDecodingCache`` does it:
   and one global tree over responses (generated tokens only). A response enters the global tree as it
   is generated, so it serves the request itself and every later one; it stays after the request ends
   (no eviction, ArcticInference's default ``max_cached_requests=-1``).
-* Each step the pattern is the text's last ``max_depth`` tokens. In each tree, for every match length
-  m from the longest suffix of the pattern found in the tree down to 1, the tree below the match is
-  grown best-first to ``K = min(budget, int(m * max_spec_factor + max_spec_offset))`` nodes: a node
-  ``x`` below the matched string ``s`` has probability ``count(s x) / count(s)`` (the product of the
-  edge ratios telescopes to this), children below ``min_token_prob`` are never taken, and nodes are
-  popped by probability (``use_tree=False`` descends to the most frequent child instead, a chain).
-  A draft's score is the sum of its probabilities (its expected accepted length); the best score over
-  match lengths wins, a longer match on ties, and the global tree's draft replaces the request tree's
-  only when it scores strictly higher.
+* Each step the context is the text's last ``max_depth`` tokens, and every match length m from 1 up to
+  one less than the context's length is tried in each tree (the longest suffix found bounds them; the
+  context's first token is never matched). Below the match the tree is grown best-first to
+  ``K = min(budget, int(float32(m * max_spec_factor + max_spec_offset) + 1e-6))`` nodes, children
+  below ``min_token_prob`` are never taken, and nodes are popped by probability (``use_tree=False``
+  descends to the most frequent child instead, a chain).
+* A node's probability is a float32 product, as ArcticInference's compressed tree computes it: along a
+  run of nodes with the same count (one compressed node there) it does not change, and where the count
+  drops from ``n`` to ``c`` it becomes ``p * float32(c / n)`` in a chain and ``float32(p * c) / n`` in
+  a tree, rounded to float32 at each operation. Exactly they telescope to ``count(s x) / count(s)``;
+  the rounding decides nodes that sit on ``min_token_prob`` (a tree drops 9/10 * 1/9, a chain keeps it).
+* A draft's score is the float32 sum of its probabilities in draft order (its expected accepted length);
+  the best score over match lengths wins, a longer match on ties, and the global tree's draft replaces
+  the request tree's only when it scores strictly higher.
 * Counts include every occurrence, also the text's own suffix at its end and occurrences cut by a
   sequence's end or by the depth limit (a string and its continuation together never exceed
   ``max_depth`` tokens), exactly like the counts of ArcticInference's trees.
 
-Ties ArcticInference leaves to hash and heap order are broken here by a total order: higher count,
-then shallower, then the more recent occurrence. Probabilities are exact ratios (float64) rather than
-float32 products.
+Ties ArcticInference leaves to the history of its sibling lists (a chain takes the head of the list
+of most frequent children, whose order among equal counts depends on the order the counts grew in) and
+to its binary heap's layout (equal float32 probabilities) are broken here by a total order: higher
+probability, higher count, then shallower, then the more recent occurrence. On the agentic replay this
+changes about one proposal in six, mostly between equally scored drafts, and tokens per step by +0.2%
+(trees) to +0.4% (chains) over ArcticInference's own tree (docs/peers.md).
 
 The structure. An explicit suffix tree with counts costs ``max_depth`` node updates per appended token,
 which pure Python cannot afford on agentic prompts of tens of thousands of tokens, each request anew.
@@ -47,6 +55,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+import struct
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -55,6 +64,16 @@ import numpy as np
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
 
 SOURCE = "suffix"
+
+_FLOAT32 = struct.Struct("f")
+
+
+def _f32(value: float) -> float:
+    """``value`` rounded to the nearest float32, ArcticInference's arithmetic. Each float32 operation
+    done in float64 and then rounded gives the float32 result exactly (products of two float32 values
+    are exact in float64, and float64 has more than twice float32's precision for sums and quotients)."""
+    return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
+
 
 SENTINEL = -1
 """Separates sequences in a corpus buffer; no token id equals it."""
@@ -270,31 +289,56 @@ class _Trie:
             node = child
 
     def key(self, node: int) -> tuple[int, int, int, int]:
-        """Best first: higher count (= probability), then shallower, then more recent."""
+        """A chain's choice among children: higher count, then shallower, then more recent."""
         return (-self.count[node], self.depth[node], -self.recency[node], node)
 
-    def select(self, min_count: int, max_nodes: int, max_depth: int, use_tree: bool) -> list[int]:
-        """The nodes a best-first expansion (or a greedy descent) takes, in order, counting only nodes
-        with ``min_count`` occurrences or more and at most ``max_depth`` deep."""
+    def select(
+        self, total: int, min_prob: float, max_nodes: int, max_depth: int, use_tree: bool
+    ) -> tuple[list[int], list[float]]:
+        """The nodes a best-first expansion (or a greedy descent) takes, in order, and their float32
+        probabilities, taking only nodes of probability ``min_prob`` (a float32) or more and at most
+        ``max_depth`` deep; ``total`` is the matched string's count (node 0's)."""
         chosen: list[int] = []
+        probs: list[float] = []
+        count, children = self.count, self.children
         if use_tree:
-            frontier = [self.key(n) for n in self.children[0].values() if self.count[n] >= min_count]
-            heapq.heapify(frontier)
+            frontier: list[tuple[float, int, int, int, int]] = []
+
+            def expand(node: int, prob: float) -> None:
+                above = count[node] if node else total
+                for child in children[node].values():
+                    c = count[child]
+                    # Equal counts: the same compressed node in ArcticInference, the same probability.
+                    p = prob if c == above else _f32(_f32(prob * c) / above)
+                    if p >= min_prob:
+                        heapq.heappush(frontier, (-p, -c, self.depth[child], -self.recency[child], child))
+
+            expand(0, 1.0)
             while frontier and len(chosen) < max_nodes:
-                node = heapq.heappop(frontier)[3]
+                neg_prob, _, depth, _, node = heapq.heappop(frontier)
                 chosen.append(node)
-                if self.depth[node] < max_depth:
-                    for child in self.children[node].values():
-                        if self.count[child] >= min_count:
-                            heapq.heappush(frontier, self.key(child))
+                probs.append(-neg_prob)
+                if depth < max_depth:
+                    expand(node, -neg_prob)
         else:
-            node = 0
-            while len(chosen) < min(max_nodes, max_depth) and self.children[node]:
-                node = min(self.children[node].values(), key=self.key)
-                if self.count[node] < min_count:
+            node, prob = 0, 1.0
+            while len(chosen) < min(max_nodes, max_depth) and children[node]:
+                above = count[node] if node else total
+                node = min(children[node].values(), key=self.key)
+                if count[node] < above:
+                    prob = _f32(prob * _f32(count[node] / above))
+                if prob < min_prob:
                     break
                 chosen.append(node)
-        return chosen
+                probs.append(prob)
+        return chosen, probs
+
+
+FLOAT32_SLACK = 1e-4
+"""Float32 probabilities and scores differ from exact count ratios and their sums by far less than this,
+relatively (a probability takes at most 2 x 64 roundings of 2**-24 each, a score adds one per token),
+so nodes whose ratio is below ``(1 - FLOAT32_SLACK) * min_token_prob`` can never pass the float32 test
+and are not built, and drafts whose exact bound is below ``best / (1 + FLOAT32_SLACK)`` cannot win."""
 
 
 def _min_count(total: int, min_prob: float) -> int:
@@ -368,9 +412,11 @@ NO_DRAFT = Draft((), (), (), 0.0)
 
 @functools.lru_cache(maxsize=256)
 def _node_budgets(length: int, max_nodes: int, factor: float, offset: float) -> np.ndarray:
-    """Per match length m in 0..length: ``min(max_spec_tokens, int(m * factor + offset))``."""
-    m = np.arange(length + 1)
-    budgets = np.minimum(max_nodes, (m * factor + offset + 1e-6).astype(np.int64))
+    """Per match length m in 0..length: ``min(max_spec_tokens, int(m * factor + offset + 1e-6))``, the
+    product and sum in float32 and the 1e-6 added in float64, as ArcticInference computes it."""
+    m = np.arange(length + 1, dtype=np.float32)
+    limits = (m * np.float32(factor) + np.float32(offset)).astype(np.float64) + 1e-6
+    budgets = np.clip(limits.astype(np.int64), 0, max_nodes)  # the cast truncates toward zero, as C++'s
     budgets.flags.writeable = False
     return budgets
 
@@ -387,20 +433,27 @@ def speculate(
     use_tree: bool,
     to_beat: float = 0.0,
 ) -> Draft:
-    """The best draft one tree (the suffixes of ``corpora``) gives for ``pattern``, if it scores more
-    than ``to_beat``; else ``NO_DRAFT``.
+    """The best draft one tree (the suffixes of ``corpora``) gives for the context ``pattern`` (its last
+    ``max_depth`` tokens count), if it scores more than ``to_beat``; else ``NO_DRAFT``. Match lengths
+    run up to one less than the context's length, as in ArcticInference.
 
     Going down from the longest match, consecutive match lengths with the same occurrences and the same
     node budget form a group whose drafts differ only in the depth limit: the group's shortest length
     allows the deepest tree and scores the most, and when it scores no more than a longer length, both
     take the same nodes (ties go to shallower nodes). So one draft per group is computed, longest group
     first, with strict improvement as in ArcticInference. Groups that cannot win are skipped: a draft
-    reaching depth d scores at most d times the share of occurrences with a continuation. The trie of
-    the few-occurrence groups grows as matches shorten, each occurrence added once.
+    reaching depth d scores at most d times the share of occurrences with a continuation, exactly, and
+    float32 rounding adds less than ``FLOAT32_SLACK`` of that (ten tokens of probability 1/10 sum to
+    1.0000001). The trie of the few-occurrence groups grows as matches shorten, each occurrence added
+    once.
     """
-    pattern = pattern[-max_depth:]
+    # The context's first token is never matched: every suffix of the rest is a candidate.
+    pattern = pattern[-max_depth:][1:]
+    if not len(pattern):
+        return NO_DRAFT
     matches = _Matches(corpora, pattern)
     best, best_score = NO_DRAFT, to_beat
+    min_prob = _f32(min_token_prob)
 
     grown, row_windows, by_length, added = _Trie(), None, None, 0
     budgets = _node_budgets(len(pattern), max_nodes, max_spec_factor, max_spec_offset)
@@ -410,13 +463,14 @@ def speculate(
     for low in starts[starts <= matches.longest][::-1].tolist():
         total, budget = int(counts[low]), int(budgets[low])
         depth = min(budget, max_depth - low)
-        if depth <= best_score:
+        ceiling = depth * (1 + FLOAT32_SLACK)  # float32 sums can exceed exact ones, by less than that
+        if ceiling <= best_score:
             if depth == budget:  # every shorter match has a budget this small or smaller
                 break
             continue
-        if depth * matches.continuing_at(low) <= best_score * total:
+        if ceiling * matches.continuing_at(low) <= best_score * total:
             continue
-        min_count = _min_count(total, min_token_prob)
+        min_count = _min_count(total, min_token_prob * (1 - FLOAT32_SLACK))
         if low >= matches.rows_from:
             if row_windows is None:
                 row_windows = matches.row_windows(min(max_nodes, max_depth - matches.rows_from))
@@ -430,14 +484,16 @@ def speculate(
             trie = grown
         else:
             trie = build_trie(matches.windows(matches.early[low], depth), min_count)
-        chosen = trie.select(min_count, budget, depth, use_tree)
-        score = sum(trie.count[n] for n in chosen) / total
+        chosen, probs = trie.select(total, min_prob, budget, depth, use_tree)
+        score = 0.0
+        for prob in probs:
+            score = _f32(score + prob)
         if score > best_score:
             index = {node: i for i, node in enumerate(chosen)}
             best = Draft(
                 tokens=tuple(trie.token[n] for n in chosen),
                 parents=tuple(index.get(trie.parent[n], -1) for n in chosen),
-                probs=tuple(trie.count[n] / total for n in chosen),
+                probs=tuple(probs),
                 score=score,
             )
             best_score = score
