@@ -55,8 +55,8 @@ def time_interleaved(
     """Fastest wall time of each call over ``rounds`` after a warm-up round.
 
     Load from other processes only ever adds time, and on shared cores it comes in bursts that can
-    cover half the rounds of one width (a burst during a median-based probe once priced 16 tokens at
-    1.29 plain steps instead of 1.97); the minimum is the pass's own cost. Rounds alternate their
+    cover half the rounds of one width (``docs/architecture.md`` has the case that bent a median-based
+    probe); the minimum is the pass's own cost. Rounds alternate their
     order, so that slow drift hits every call alike. ``synchronize`` waits for an accelerator's queued
     work, so that each time is the call's own.
     """

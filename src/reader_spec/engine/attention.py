@@ -12,8 +12,8 @@ changes.
 
 The inner function for ``sdpa`` models also fixes a CPU cost: transformers' ``sdpa`` repeats every
 key/value head for each query head it serves (``repeat_kv``) whenever more than one token is queried
-under a mask, which copies the whole cache each layer (with the default model, batch 8, 1,024 tokens
-of context, a 2-token pass took 199 ms against 99 ms for one token). PyTorch's kernel reads shared
+under a mask, which copies the whole cache each layer (it doubled a 2-token pass at batch 8 on the
+development CPU; ``docs/architecture.md``). PyTorch's kernel reads shared
 heads directly (``enable_gqa``). Everything else (one query token, no mask, GPUs, position biases,
 soft-capping) goes to ``sdpa`` itself.
 """
