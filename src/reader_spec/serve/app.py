@@ -114,12 +114,7 @@ def create_app(service: EngineService, settings: ServerSettings) -> FastAPI:
         tokens = _encode(service, body.prompt, "prompt")
         requested = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
         config = body.generation_config(_max_new_tokens(service, tokens, requested))
-        stream = _submit(service, tokens, config)
-        reply = _Reply("cmpl", "text_completion", settings.model_name, stream, service, tokenizer, config)
-        if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _sse(reply.stream_completion(include_usage))
-        return await reply.whole(request, chat=False)
+        return await respond(body, request, tokens, config, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -129,12 +124,17 @@ def create_app(service: EngineService, settings: ServerSettings) -> FastAPI:
         tokens = _encode(service, messages, "messages")
         limit = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         config = body.generation_config(_max_new_tokens(service, tokens, body.requested_tokens(), limit))
+        return await respond(body, request, tokens, config, chat=True)
+
+    async def respond(body, request: Request, tokens: list[int], config, chat: bool):
+        """Queue the request, then stream its reply or wait for the whole of it."""
         stream = _submit(service, tokens, config)
-        reply = _Reply("chatcmpl", "chat.completion", settings.model_name, stream, service, tokenizer, config)
+        prefix, kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
+        reply = _Reply(prefix, kind, settings.model_name, stream, service, tokenizer, config)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _sse(reply.stream_chat(include_usage))
-        return await reply.whole(request, chat=True)
+            return _sse(reply.stream_chat(include_usage) if chat else reply.stream_completion(include_usage))
+        return await reply.whole(request, chat=chat)
 
     return app
 
