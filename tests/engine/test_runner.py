@@ -1,10 +1,21 @@
-"""Tree verification through the model's own forward equals sequential decoding, for each family."""
+"""Tree verification equals sequential decoding through transformers, for each family and runner."""
 
+import copy
 import functools
+from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 import reader_spec.engine.runner as runner_module
 from reader_spec.engine.attention import PACKED_EAGER, PACKED_SDPA
@@ -18,6 +29,9 @@ SMALL = dict(
 CONFIGS = {
     "llama": lambda: LlamaConfig(**SMALL, num_hidden_layers=2),
     "qwen2": lambda: Qwen2Config(**SMALL, num_hidden_layers=2),
+    "qwen3": lambda: Qwen3Config(**SMALL, num_hidden_layers=2, head_dim=8),
+    "mistral": lambda: MistralConfig(**SMALL, num_hidden_layers=2, sliding_window=6),
+    "phi3": lambda: Phi3Config(**SMALL, num_hidden_layers=2, pad_token_id=0),
     # A window of 6 is far shorter than the contexts below, so the sliding layers really slide.
     "gemma3": lambda: Gemma3TextConfig(
         **SMALL,
@@ -30,30 +44,47 @@ CONFIGS = {
 TOL = 1e-5
 
 
-ATTENTIONS = ("sdpa", "eager", "one by one")  # the runner packs sdpa and eager; the last verifies
-# one sequence per forward, as models whose attention cannot run packed passes do
+FAST = {"llama", "qwen2", "qwen3", "mistral", "phi3"}
+RUNNERS = ("fast", "sdpa", "eager", "one by one")  # the engine's decoder; transformers' forward with
+# its attention packed (sdpa, eager) or verifying one sequence per forward, as models whose
+# attention cannot run packed passes do
 
 
-@pytest.fixture(scope="module", params=[(f, a) for f in sorted(CONFIGS) for a in ATTENTIONS])
+@dataclass
+class Case:
+    model: PreTrainedModel
+    reference: PreTrainedModel
+    """An untouched copy: sequential logits come from transformers' own forward."""
+    runner: str
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(f, r) for f in sorted(CONFIGS) for r in RUNNERS if r != "fast" or f in FAST],
+    ids=lambda p: "-".join(p),
+)
 def model(request):
-    family, attention = request.param
+    family, runner = request.param
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
-    model.set_attn_implementation("sdpa" if attention == "one by one" else attention)
-    model.one_by_one = attention == "one by one"
-    return model
+    model.set_attn_implementation("sdpa" if runner in ("one by one", "fast") else runner)
+    return Case(model, copy.deepcopy(model), runner)
 
 
-def make_runner(model, num_rows: int, capacity: int) -> ModelRunner:
-    runner = ModelRunner(model, num_rows=num_rows, capacity=capacity)
-    assert runner.packed and model.config._attn_implementation in (PACKED_SDPA, PACKED_EAGER)
-    runner.packed = not model.one_by_one
+def make_runner(case: Case, num_rows: int, capacity: int) -> ModelRunner:
+    if case.runner == "fast":
+        runner = ModelRunner(case.model, num_rows=num_rows, capacity=capacity, runner="fast")
+        assert runner.name == "fast"
+        return runner
+    runner = ModelRunner(case.model, num_rows=num_rows, capacity=capacity, runner="transformers")
+    assert runner.packed and case.model.config._attn_implementation in (PACKED_SDPA, PACKED_EAGER)
+    runner.packed = case.runner != "one by one"
     return runner
 
 
-def full_logits(model, tokens):
+def full_logits(case: Case, tokens):
     with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0]
+        return case.reference(torch.tensor([tokens])).logits[0]
 
 
 def random_tree_on_path(path_tokens, rng):
@@ -70,8 +101,17 @@ def random_tree_on_path(path_tokens, rng):
 
 
 def test_sliding_window_detection(model):
-    expected = 6 if model.config.model_type == "gemma3_text" else None
-    assert sliding_window_of(model.config) == expected
+    expected = 6 if model.model.config.model_type in ("gemma3_text", "mistral") else None
+    assert sliding_window_of(model.model.config) == expected
+
+
+def test_a_packed_model_still_runs_its_own_forward(model):
+    """The fast runner packs the weights in place; transformers' forward of that model still works."""
+    tokens = list(range(3, 20))
+    make_runner(model, num_rows=1, capacity=32)
+    with torch.no_grad():
+        own = model.model(torch.tensor([tokens])).logits[0]
+    assert (own - full_logits(model, tokens)).abs().max() < TOL
 
 
 def test_prefill_and_tree_logits_match_sequential(model):

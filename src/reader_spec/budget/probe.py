@@ -22,12 +22,12 @@ PROBE_ROUNDS = 9
 
 
 def probe_verify(
-    model: PreTrainedModel, batch: int, drafted: Sequence[int], context: int
+    model: PreTrainedModel, batch: int, drafted: Sequence[int], context: int, runner: str = "auto"
 ) -> dict[int, float]:
     """Seconds of a packed verification pass of ``batch`` chains holding each total of draft tokens
-    (spread evenly), after ``context`` tokens in every row."""
+    (spread evenly), after ``context`` tokens in every row, on the given runner."""
     most = max(drafted)
-    probe = ModelRunner(model, batch, context + most // batch + 2)
+    probe = ModelRunner(model, batch, context + most // batch + 2, runner)
     generator = torch.Generator().manual_seed(PROBE_SEED)
     vocab = text_config(model.config).vocab_size
     tokens = torch.randint(0, vocab, (context,), generator=generator).tolist()

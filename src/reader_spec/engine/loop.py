@@ -76,6 +76,7 @@ class Engine:
         adaptive_budget: bool = True,
         costs: CostModel | None = None,
         max_batch_size: int = 1,
+        runner: str = "auto",
     ):
         if budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
@@ -90,6 +91,7 @@ class Engine:
         self.max_context = max_context_of(self.model.config)
         self.scheduler = Scheduler(max_batch_size)
         self._costs = costs
+        self.runner_kind = runner
         self._runner: ModelRunner | None = None
         self._keys = itertools.count()
         self._synchronize = synchronizer(self.model.device)
@@ -209,10 +211,11 @@ class Engine:
         if self._costs is None:
             from reader_spec.budget.probe import probe_verify
 
-            path = cost_cache_path(f"{self.loaded.name}|{self.loaded.fingerprint}|{self.model.dtype}")
+            runner = self._ensure_runner().name
+            path = cost_cache_path(f"{self.loaded.name}|{self.loaded.fingerprint}|{self.model.dtype}|{runner}")
             self._costs = CostModel(
                 load_costs(path),
-                measure=lambda batch, drafted, context: probe_verify(self.model, batch, drafted, context),
+                measure=lambda batch, drafted, context: probe_verify(self.model, batch, drafted, context, runner),
                 budget=self.budget,
                 path=path,
             )
@@ -326,7 +329,7 @@ class Engine:
         runner, rows = self._runner, self.scheduler.num_rows
         if runner is None or (runner.cache.num_rows < rows and not self.scheduler.running):
             capacity = runner.cache.capacity if runner is not None else 64
-            runner = self._runner = ModelRunner(self.model, rows, capacity)
+            runner = self._runner = ModelRunner(self.model, rows, capacity, self.runner_kind)
         return runner
 
 

@@ -1,12 +1,12 @@
-"""Runs the target model's own forward on ragged batches of draft trees.
+"""Runs the target model on ragged batches of draft trees: the engine's fast decoder or transformers'.
 
-The model is called unchanged, with four things built here: the trees packed into one row of
-tokens (a pass costs what its total tokens cost, however unequal the trees), explicit position ids
-(context length plus depth), a 4D additive attention mask per tree (each new token sees its row's
-committed context and its own ancestors) with the :class:`PackedLayout` that tells the attention
-which tokens belong to which cache row, and the :class:`RaggedKVCache`. Models with sliding-window
-layers (Gemma 2/3, Mistral-style configs) get one mask per layer type, which their forward accepts
-as a mapping.
+Every pass is built the same way whichever forward runs it: the trees packed into one row of tokens
+(a pass costs what its total tokens cost, however unequal the trees), explicit position ids (context
+length plus depth), a boolean visibility mask per tree (each new token sees its row's committed
+context and its own ancestors; one per layer type where sliding-window layers differ), the
+:class:`PackedLayout` that tells the attention which tokens belong to which cache row, and the
+:class:`RaggedKVCache`. The fast decoder (:mod:`reader_spec.engine.decoder`) takes these directly;
+transformers' forward gets additive 4D masks and the cache as a ``Cache`` object.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from reader_spec.engine.attention import PackedLayout, pack, use_packed_attention
+from reader_spec.engine.decoder import FAST_FAMILIES, FastDecoder, supports
 from reader_spec.engine.kv_cache import RaggedKVCache
 from reader_spec.engine.tree import DraftTree
 
@@ -25,7 +26,9 @@ PREFILL_CHUNK = 512
 """Prompt tokens per prefill forward: bounds the mask and activation memory of long prompts."""
 
 NO_LOGITS = torch.empty(0, dtype=torch.long)
-"""``logits_to_keep`` that skips the output layer (prefill needs only the cache)."""
+"""Token index that skips the output layer (prefill needs only the cache)."""
+
+RUNNERS = ("auto", "fast", "transformers")
 
 log = logging.getLogger(__name__)
 
@@ -48,67 +51,89 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
 
 
 def sliding_window_of(config) -> int | None:
-    """The sliding window size if any layer of this model uses local attention."""
+    """The sliding window size if any layer of this model uses local attention.
+
+    Configs with ``layer_types`` say which layers slide; a window without them (Mistral) applies to
+    every layer.
+    """
     config = text_config(config)
-    layer_types = getattr(config, "layer_types", None) or ()
+    layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
-    if window and "sliding_attention" in layer_types:
+    if window and (layer_types is None or "sliding_attention" in layer_types):
         return int(window)
     return None
 
 
-def attention_mask(
+def visibility(
     lengths: torch.Tensor,
     local_masks: Sequence[torch.Tensor],
     positions: torch.Tensor,
     kv_length: int,
-    dtype: torch.dtype,
     sliding_window: int | None = None,
-) -> torch.Tensor | dict[str, torch.Tensor]:
-    """Additive mask ``(batch, 1, width, kv_length)`` for new tokens written after each row's context.
+) -> dict[str, torch.Tensor]:
+    """Which keys each new token sees, ``(batch, 1, width, kv_length)`` booleans per layer type.
 
-    ``local_masks[b][i, j]`` says whether new token i of row b sees new token j; ``positions`` are
-    the new tokens' position ids. Rows past a tree's own tokens are padding: an attention group that
-    pads its trees to the widest computes them and discards the result.
+    New tokens are written after each row's context: token i of row b sees the row's committed
+    context and the new tokens ``local_masks[b][i]`` marks. ``positions`` are the new tokens' position
+    ids, padded to the widest tree. Rows past a tree's own tokens are padding: an attention group
+    that pads its trees computes them and discards the result; they see key 0, so no row is empty.
     """
     batch, width = positions.shape
-    allowed = torch.zeros(batch, width, kv_length, dtype=torch.bool)
-    key_positions = torch.arange(kv_length).repeat(batch, 1)
-    for b, local in enumerate(local_masks):
-        start, n = int(lengths[b]), local.shape[0]
-        allowed[b, :n, :start] = True
-        allowed[b, :n, start : start + n] = local
-        allowed[b, n:, 0] = True  # padding rows (discarded) see one key, so that no row is all -inf
-        key_positions[b, start : start + n] = positions[b, :n]
-    masks = {"full_attention": allowed}
+    widths = torch.tensor([local.shape[0] for local in local_masks])
+    local = torch.zeros(batch, width, width, dtype=torch.bool)
+    for b, tree in enumerate(local_masks):
+        local[b, : tree.shape[0], : tree.shape[0]] = tree
+    offset = torch.arange(kv_length)[None] - lengths[:, None]  # key index relative to the new tokens
+    inside = (offset >= 0) & (offset < width)
+    index = offset.clamp(0, width - 1)
+    sees_tree = local.gather(2, index[:, None].expand(batch, width, kv_length)) & inside[:, None]
+    allowed = (offset < 0)[:, None] | sees_tree
+    padding = (torch.arange(width)[None] >= widths[:, None])[..., None]
+    first_key = torch.arange(kv_length) == 0
+    allowed = torch.where(padding, first_key, allowed)
+    masks = {"full_attention": allowed[:, None]}
     if sliding_window is not None:
+        key_positions = torch.where(inside, positions.gather(1, index), torch.arange(kv_length)[None])
         distance = positions[:, :, None] - key_positions[:, None, :]
-        masks["sliding_attention"] = allowed & (distance < sliding_window)
-    additive = {
-        name: torch.zeros(m.shape, dtype=dtype).masked_fill_(~m, torch.finfo(dtype).min)[:, None]
+        masks["sliding_attention"] = (allowed & (distance < sliding_window))[:, None]
+    return masks
+
+
+def additive(masks: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Boolean masks as the additive float masks transformers' attention takes."""
+    return {
+        name: torch.zeros(m.shape, dtype=dtype).masked_fill_(~m, torch.finfo(dtype).min)
         for name, m in masks.items()
     }
-    return additive if sliding_window is not None else additive["full_attention"]
 
 
 class ModelRunner:
     """Owns the model and its ragged KV cache; turns prompts and trees into logits.
 
-    The runner switches the model's attention to its packed version (:func:`use_packed_attention`).
-    Models whose attention cannot run packed passes (neither ``sdpa`` nor ``eager``) verify one
-    sequence per forward: still exact, but a batch then costs one pass per sequence; that is said once.
+    ``runner`` picks the forward: ``"fast"`` the engine's own decoder (:mod:`reader_spec.engine.decoder`,
+    which packs the model's weights in place), ``"transformers"`` the model's own forward,
+    ``"auto"`` the fast one where the architecture is supported. On the transformers path the model's
+    attention is switched to its packed version (:func:`use_packed_attention`); models whose attention
+    cannot run packed passes (neither ``sdpa`` nor ``eager``) verify one sequence per forward: still
+    exact, but a batch then costs one pass per sequence; that is said once.
     """
 
-    def __init__(self, model: PreTrainedModel, num_rows: int, capacity: int):
+    def __init__(self, model: PreTrainedModel, num_rows: int, capacity: int, runner: str = "auto"):
         self.model = model
         self.device = model.device
         self.dtype = model.dtype
         self.sliding_window = sliding_window_of(model.config)
-        self.packed = use_packed_attention(model)
+        self.decoder = fast_decoder(model, runner)
+        self.packed = self.decoder is not None or use_packed_attention(model)
         if not self.packed and num_rows > 1:
             _warn_once(model)
         num_layers = text_config(model.config).num_hidden_layers
         self.cache = RaggedKVCache(num_layers, num_rows, capacity, self.device)
+
+    @property
+    def name(self) -> str:
+        """Which forward runs: ``fast`` or ``transformers``."""
+        return "fast" if self.decoder is not None else "transformers"
 
     @torch.inference_mode()
     def verify(self, trees: Sequence[DraftTree], rows: Sequence[int]) -> list[torch.Tensor]:
@@ -124,10 +149,10 @@ class ModelRunner:
 
     def _verify(self, trees: Sequence[DraftTree], rows: list[int]) -> list[torch.Tensor]:
         lengths = self.cache.lengths[rows]
-        input_ids = torch.tensor([[token for tree in trees for token in tree.tokens]])
-        positions = torch.cat([lengths[b] + torch.tensor(tree.depths) for b, tree in enumerate(trees)])[None]
-        logits = self._forward(rows, input_ids, positions, [t.ancestor_mask() for t in trees], keep=0)
-        return list(logits[0].split([len(tree) for tree in trees]))
+        input_ids = torch.tensor([token for tree in trees for token in tree.tokens])
+        positions = torch.cat([lengths[b] + torch.tensor(tree.depths) for b, tree in enumerate(trees)])
+        logits = self._forward(rows, input_ids, positions, [t.ancestor_mask() for t in trees], keep=None)
+        return list(logits.split([len(tree) for tree in trees]))
 
     @torch.inference_mode()
     def prefill(self, row: int, tokens: Sequence[int]) -> None:
@@ -135,50 +160,82 @@ class ModelRunner:
         prompt token, which is the root of the first verified tree."""
         self.cache.reset_row(row)
         for start in range(0, len(tokens), PREFILL_CHUNK):
-            chunk = torch.tensor(tokens[start : start + PREFILL_CHUNK])[None]
-            n = chunk.shape[1]
+            chunk = torch.tensor(tokens[start : start + PREFILL_CHUNK])
+            n = chunk.shape[0]
             causal = torch.ones(n, n, dtype=torch.bool).tril_()
-            positions = start + torch.arange(n)[None]
-            self._forward([row], chunk, positions, [causal], keep=NO_LOGITS)
+            self._forward([row], chunk, start + torch.arange(n), [causal], keep=NO_LOGITS)
             self.cache.lengths[row] = start + n
 
     def _forward(
-        self, rows: list[int], input_ids, positions, local_masks, keep: int | torch.Tensor
+        self, rows: list[int], input_ids, positions, local_masks, keep: torch.Tensor | None
     ) -> torch.Tensor:
-        """Run packed tokens (``[1, total]``) whose cache row ``rows[i]`` owns ``len(local_masks[i])``.
-
-        ``keep`` is transformers' ``logits_to_keep``: 0 for every token's logits, an empty index for none.
-        """
+        """Run packed tokens (``[total]``) whose cache row ``rows[i]`` owns ``len(local_masks[i])``;
+        returns the logits of the tokens ``keep`` indexes (None: all)."""
         widths = [local.shape[0] for local in local_masks]
         lengths = self.cache.lengths[rows]
         kv_length = self.cache.set_window(rows, widths)
         padded_positions = lengths[:, None] + torch.arange(max(widths))
-        for b, chunk in enumerate(positions[0].split(widths)):
-            padded_positions[b, : len(chunk)] = chunk
-        mask = attention_mask(
-            lengths, local_masks, padded_positions, kv_length, self.dtype, self.sliding_window
-        )
-        if isinstance(mask, dict):
-            mask = {name: m.to(self.device) for name, m in mask.items()}
-        else:
-            mask = mask.to(self.device)
+        padded_positions[torch.arange(max(widths))[None] < torch.tensor(widths)[:, None]] = positions
+        masks = visibility(lengths, local_masks, padded_positions, kv_length, self.sliding_window)
         layout = pack(widths, lengths.tolist(), rows) if len(widths) > 1 else None
-        extra = {} if layout is None else {"packed_layout": layout}
+        device = self.device
+        if self.decoder is not None:
+            masks = {name: m.to(device) for name, m in masks.items()}
+            keep = None if keep is None else keep.to(device)
+            return self.decoder(input_ids.to(device), positions.to(device), masks, self.cache, layout, keep).float()
+        masks = {name: m.to(device) for name, m in additive(masks, self.dtype).items()}
         try:
             out = self.model(
-                input_ids=input_ids.to(self.device),
-                position_ids=positions.to(self.device),
-                attention_mask=mask,
-                past_key_values=self.cache,
+                input_ids=input_ids[None].to(device),
+                position_ids=positions[None].to(device),
+                attention_mask=_for_transformers(masks, self.model.config),
+                cache=self.cache,
                 use_cache=True,
-                logits_to_keep=keep.to(self.device) if isinstance(keep, torch.Tensor) else keep,
-                **extra,
+                logits_to_keep=0 if keep is None else keep.to(device),
+                **({} if layout is None else {"packed_layout": layout}),
             )
         except RuntimeError as error:
             _check_layout_used(self.model, layout, error)
             raise
         _check_layout_used(self.model, layout)
-        return out.logits.float()
+        return out.logits[0].float()
+
+
+def _for_transformers(masks: dict[str, torch.Tensor], config) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The mask argument a model's forward takes: a mapping per layer type where layers differ."""
+    if len(masks) == 1:
+        return masks["full_attention"]
+    if getattr(text_config(config), "layer_types", None) is None:
+        return masks["sliding_attention"]  # a window on every layer (Mistral)
+    return masks
+
+
+_ANNOUNCED: set[tuple[str, str]] = set()
+
+
+def fast_decoder(model: PreTrainedModel, runner: str) -> FastDecoder | None:
+    """The model's fast decoder (built once per model), or None for its transformers forward.
+
+    Which forward runs is said once per model class on stderr.
+    """
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    decoder = getattr(model, "_reader_fast_decoder", None)
+    if decoder is None and runner != "transformers":
+        if supports(model):
+            decoder = FastDecoder(model)
+            model._reader_fast_decoder = decoder
+        elif runner == "fast":
+            raise ValueError(
+                f"the fast runner does not support {type(model).__name__} (model_type "
+                f"{model.config.model_type!r}); it runs {', '.join(FAST_FAMILIES)}: use --runner transformers"
+            )
+    chosen = decoder if runner != "transformers" else None
+    name = "fast" if chosen is not None else "transformers"
+    if (type(model).__name__, name) not in _ANNOUNCED:
+        _ANNOUNCED.add((type(model).__name__, name))
+        log.warning("reader-spec: %s runs on the %s runner", type(model).__name__, name)
+    return chosen
 
 
 _WARNED: set[str] = set()
