@@ -63,6 +63,16 @@ def smollm() -> LoadedModel:
     return load_model()
 
 
+@pytest.fixture(scope="session")
+def smollm_engine(smollm) -> LoadedModel:
+    """A copy of the default model for engines to run: the fast runner packs its weights in place,
+    and ``smollm`` stays transformers' own, the reference."""
+    import copy
+    from dataclasses import replace
+
+    return replace(smollm, model=copy.deepcopy(smollm.model))
+
+
 def pytest_terminal_summary(terminalreporter):
     """Show every tolerated near-tie mismatch of the end-to-end exactness tests, when they ran."""
     import sys

@@ -108,9 +108,7 @@ def test_invalid_setting_on_an_input_line_names_the_request(capsys, tiny_llama_d
     assert code == 2 and "request 'x'" in err and "top_p" in err
 
 
-def test_a_prompt_longer_than_the_context_is_one_line_before_any_work(
-    capsys, tiny_llama_dir, monkeypatch
-):
+def test_a_prompt_longer_than_the_context_is_one_line_before_any_work(capsys, tiny_llama_dir, monkeypatch):
     from reader_spec.engine.loop import Engine
 
     def no_work(*args, **kwargs):

@@ -5,9 +5,12 @@ The drafter has every source on: the request's own text, earlier responses, and 
 40 Spec-Bench prompts covering all 13 categories, 128 new tokens each, at batch 1 and at batch 8
 with categories (and so prompt lengths) mixed in every batch, against plain decoding of the same
 prompts 8 at a time in reverse order (other companions than in any speculative run), itself checked
-against ``transformers``' generate. Seeded sampling (temperatures 0.7 and 1.0, top-p 0.9) is compared
-the same way, every prompt at both temperatures. A mismatch is tolerated only where float rounding
-between a 1-token and an N-token forward can flip the decision: the gap between the two best
+against ``transformers``: every greedy choice of all 40 outputs against transformers' forward over
+the whole text, and 5 outputs against its ``generate``. Engines run on the runner ``auto`` picks
+(the fast one for this Llama model), on a copy of the model; transformers on the untouched one.
+Seeded sampling (temperatures 0.7 and 1.0, top-p 0.9) is compared the same way, every prompt at
+both temperatures. A mismatch is tolerated only where float rounding between a 1-token and an
+N-token forward can flip the decision: the gap between the two best
 candidates (logits, plus the Gumbel noise when sampling) at the first differing position must be
 below ``NEAR_TIE``, and every such case is printed.
 """
@@ -59,9 +62,9 @@ def drafter(smollm, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain(smollm, prompts):
+def plain(smollm_engine, prompts):
     """Plain decoding, 8 at a time in reverse order: other companions than in the speculative runs."""
-    return [o.tokens for o in Engine(smollm).generate(prompts[::-1], CONFIG, batch_size=8)][::-1]
+    return [o.tokens for o in Engine(smollm_engine).generate(prompts[::-1], CONFIG, batch_size=8)][::-1]
 
 
 def decision_gap(model, tokens: list[int], config: GenerationConfig) -> float:
@@ -97,6 +100,20 @@ def assert_same_or_near_tie(smollm, prompts, questions, reference, outputs, labe
     assert not mismatches, "\n".join(mismatches)
 
 
+def test_plain_engine_makes_transformers_greedy_choices(smollm, prompts, questions, plain):
+    """Each of the 40 outputs, teacher-forced through transformers' forward: its argmax at every
+    position is the engine's next token, except at near-ties (printed with their gaps)."""
+    chosen = []
+    for prompt, tokens in zip(prompts, plain, strict=True):
+        with torch.no_grad():
+            logits = smollm.model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+        argmax = logits.argmax(-1).tolist()
+        first = next((i for i, (a, b) in enumerate(zip(argmax, tokens, strict=True)) if a != b), None)
+        chosen.append(tokens if first is None else [*tokens[:first], argmax[first]])
+    truncated = [t[: len(c)] for t, c in zip(plain, chosen, strict=True)]
+    assert_same_or_near_tie(smollm, prompts, questions, chosen, truncated, "engine plain vs transformers")
+
+
 def test_plain_engine_equals_transformers_generate(smollm, prompts, plain):
     for prompt, tokens in list(zip(prompts, plain, strict=True))[:5]:
         generated = smollm.model.generate(
@@ -108,14 +125,14 @@ def test_plain_engine_equals_transformers_generate(smollm, prompts, plain):
         assert generated == tokens
 
 
-def test_speculative_batch_1_equals_plain(smollm, prompts, questions, plain, drafter):
-    outputs = Engine(smollm, drafter()).generate(prompts, CONFIG, batch_size=1)
+def test_speculative_batch_1_equals_plain(smollm, smollm_engine, prompts, questions, plain, drafter):
+    outputs = Engine(smollm_engine, drafter()).generate(prompts, CONFIG, batch_size=1)
     assert_same_or_near_tie(smollm, prompts, questions, plain, [o.tokens for o in outputs], "batch 1")
     assert sum(o.stats.accepted for o in outputs) > 200  # drafts were really verified and accepted
 
 
-def test_speculative_batch_8_mixed_equals_plain(smollm, prompts, questions, plain, drafter):
-    outputs = Engine(smollm, drafter()).generate(prompts, CONFIG, batch_size=8)
+def test_speculative_batch_8_mixed_equals_plain(smollm, smollm_engine, prompts, questions, plain, drafter):
+    outputs = Engine(smollm_engine, drafter()).generate(prompts, CONFIG, batch_size=8)
     assert_same_or_near_tie(smollm, prompts, questions, plain, [o.tokens for o in outputs], "batch 8")
     assert sum(o.stats.accepted for o in outputs) > 200
 
@@ -133,21 +150,21 @@ def sampled_configs(questions, shift: int) -> list[GenerationConfig]:
 
 
 @pytest.fixture(scope="module")
-def plain_sampled(smollm, prompts, questions):
+def plain_sampled(smollm_engine, prompts, questions):
     """Plain sampling of every prompt at both temperatures, 8 at a time, in reverse order so that each
     request has other companions than in the speculative runs."""
     configs = sampled_configs(questions, 0) + sampled_configs(questions, 1)
-    outputs = Engine(smollm).generate((prompts + prompts)[::-1], configs[::-1], batch_size=8)[::-1]
+    outputs = Engine(smollm_engine).generate((prompts + prompts)[::-1], configs[::-1], batch_size=8)[::-1]
     tokens = [o.tokens for o in outputs]
     return tokens[: len(prompts)], tokens[len(prompts) :]
 
 
 @pytest.mark.parametrize(("batch_size", "shift"), [(1, 0), (8, 1)])
 def test_seeded_sampling_equals_plain_sampling(
-    smollm, prompts, questions, plain_sampled, drafter, batch_size, shift
+    smollm, smollm_engine, prompts, questions, plain_sampled, drafter, batch_size, shift
 ):
     configs = sampled_configs(questions, shift)
-    outputs = Engine(smollm, drafter()).generate(prompts, configs, batch_size=batch_size)
+    outputs = Engine(smollm_engine, drafter()).generate(prompts, configs, batch_size=batch_size)
     label = f"sampling batch {batch_size}"
     got = [o.tokens for o in outputs]
     assert_same_or_near_tie(smollm, prompts, questions, plain_sampled[shift], got, label, configs)

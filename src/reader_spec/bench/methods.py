@@ -1,7 +1,9 @@
 """The decoding methods ``reader bench`` compares, behind one small interface.
 
 Engine methods run on this package's engine with a registered drafter (or none: ``ar``, the reference);
-``hf*`` methods call ``transformers``' own ``generate`` on the same loaded model. Every method stops
+``ar-transformers`` is ``ar`` through transformers' forward instead of the fast runner; ``hf*``
+methods call ``transformers``' own ``generate`` on the loaded model. The fast runner packs the weights
+of the model it runs, so engine methods get their own copy and the others an untouched one. Every method stops
 where the engine stops (at ``max_new_tokens``, or at an end-of-sequence token, kept as the last token),
 so outputs compare token for token. Adding an engine drafter is one line in ``drafters.registry``.
 Peers run as their authors do: a fixed chain (``pld``) or the drafter's own tree size (``suffix``),
@@ -10,9 +12,11 @@ verified whole; ``reader`` sizes each tree from measured costs.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -23,6 +27,7 @@ from reader_spec.config import GenerationConfig
 from reader_spec.drafters import DRAFTERS, Drafter, DrafterSpec
 from reader_spec.drafters.pld import DEFAULT_NUM_TOKENS
 from reader_spec.drafters.retrieval.datastore import Datastore
+from reader_spec.engine.decoder import supports
 from reader_spec.engine.loop import DEFAULT_BUDGET, Engine, model_eos_ids
 from reader_spec.loading import LoadedModel
 
@@ -40,6 +45,15 @@ class BenchSetup:
     """Corpus for the ``reader`` method's datastore source (``--datastore``)."""
     sampling: GenerationConfig = field(default_factory=GenerationConfig)
     """Token choice for engine methods (greedy by default); its ``max_new_tokens`` is overridden."""
+    runner: str = "auto"
+    """The engine methods' forward (``ar-transformers`` always runs transformers')."""
+
+    @cached_property
+    def engine_loaded(self) -> LoadedModel:
+        """The model engine methods run: a copy where the fast runner will pack its weights."""
+        if self.runner == "transformers" or not supports(self.loaded.model):
+            return self.loaded
+        return replace(self.loaded, model=copy.deepcopy(self.loaded.model))
 
 
 @dataclass
@@ -126,21 +140,25 @@ class EngineMethod:
         ]
 
 
-def engine_method(drafter: DrafterSpec | None = None) -> MethodSpec:
-    """A method on this engine with a registered drafter (None: plain decoding, ``ar``)."""
+def engine_method(drafter: DrafterSpec | None = None, runner: str | None = None) -> MethodSpec:
+    """A method on this engine with a registered drafter (None: plain decoding, ``ar``); ``runner``
+    fixes the forward (default: the bench's)."""
 
     def build(setup: BenchSetup) -> Method:
+        loaded = setup.loaded if runner == "transformers" else setup.engine_loaded
+        chosen = runner or setup.runner
         if drafter is None:
-            return EngineMethod(Engine(setup.loaded), setup.sampling)
+            return EngineMethod(Engine(loaded, runner=chosen), setup.sampling)
 
         def new_drafter() -> Drafter:
             return drafter.build(setup.datastore)
 
         engine = Engine(
-            setup.loaded,
+            loaded,
             new_drafter(),
             budget=setup.budget if drafter.budget is None else drafter.budget,
             adaptive_budget=drafter.adaptive,
+            runner=chosen,
         )
         return EngineMethod(engine, setup.sampling, new_drafter)
 
@@ -229,6 +247,7 @@ def hf_method(*, assisted: bool = False, **options) -> MethodSpec:
 
 METHODS: dict[str, MethodSpec] = {
     "ar": engine_method(),
+    "ar-transformers": engine_method(runner="transformers"),
     **{name: engine_method(spec) for name, spec in DRAFTERS.items()},
     "hf": hf_method(),
     "hf-pld": hf_method(prompt_lookup_num_tokens=DEFAULT_NUM_TOKENS),
@@ -240,9 +259,11 @@ METHODS: dict[str, MethodSpec] = {
 def method_names(methods: Sequence[str] | None, with_draft: bool) -> list[str]:
     """The methods to run, the reference first, no duplicates (default: all that need no missing draft
     model); unknown names fail before any model work."""
-    names = list(methods) if methods is not None else [
-        name for name, spec in METHODS.items() if with_draft or not spec.needs_draft
-    ]
+    names = (
+        list(methods)
+        if methods is not None
+        else [name for name, spec in METHODS.items() if with_draft or not spec.needs_draft]
+    )
     unknown = [m for m in names if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown methods {', '.join(unknown)}; choose from {', '.join(METHODS)}")

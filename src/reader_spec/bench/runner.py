@@ -31,7 +31,7 @@ import transformers
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from reader_spec.bench.methods import METHODS, BenchSetup, Generation, Method, method_names
+from reader_spec.bench.methods import METHODS, BenchSetup, EngineMethod, Generation, Method, method_names
 from reader_spec.bench.results import REFERENCE, BatchResult, PromptResult, markdown, summarize
 from reader_spec.bench.spec_bench import Question, interleave_categories
 from reader_spec.config import SAMPLING_FIELDS, GenerationConfig
@@ -88,6 +88,7 @@ def run_bench(
     draft: LoadedModel | None = None,
     datastore: Datastore | None = None,
     sampling: GenerationConfig | None = None,
+    runner: str = "auto",
 ) -> BenchReport:
     """Measure ``methods`` (default: all that need no missing draft model) on ``questions``.
 
@@ -101,14 +102,14 @@ def run_bench(
     sampling = sampling or GenerationConfig()
     if not sampling.greedy and sampling.seed is None:
         raise ValueError("sampled benchmarks need a seed, so that every method draws alike")
-    setup = BenchSetup(loaded, budget, draft, datastore, sampling)
+    setup = BenchSetup(loaded, budget, draft, datastore, sampling, runner)
     built = {name: METHODS[name].build(setup) for name in names}
     for method in built.values():
         method.warm_up(max(larger, default=1) if method.can_batch else 1)
     prompt_count = sum(len(q.turns) for q in questions)
     peaks_per_run = _reset_peak_rss()
     report = BenchReport(
-        environment=environment(loaded, draft),
+        environment={**environment(loaded, draft), "runner": _runner_names(built)},
         settings={
             "methods": names,
             "max_new_tokens": max_new_tokens,
@@ -145,6 +146,11 @@ def run_bench(
             for size in larger:
                 report.batches += _batched(built, batchable, prompts, size, max_new_tokens, repeats, bar)
     return report
+
+
+def _runner_names(built: dict[str, Method]) -> dict[str, str]:
+    """Which forward each engine method ran on (``fast`` or ``transformers``)."""
+    return {name: m.engine.runner_name for name, m in built.items() if isinstance(m, EngineMethod)}
 
 
 def turn_messages(question: Question, turn: int, answers: Sequence[str]) -> list[dict[str, str]]:

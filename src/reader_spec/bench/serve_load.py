@@ -199,6 +199,7 @@ def run_serve_load(
     budget: int = DEFAULT_BUDGET,
     datastore: Datastore | None = None,
     costs: CostModel | None = None,
+    runner: str = "auto",
     environment: dict | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ServeLoadReport:
@@ -211,7 +212,7 @@ def run_serve_load(
     if not prompts or not levels or min(levels) < 1 or max_new_tokens < 1 or budget < 0:
         raise ValueError("need prompts, positive concurrency and max_new_tokens, and budget >= 0")
     # Calibration (once per machine and model, cached) before anything is timed.
-    _engine(loaded, True, max(levels), budget, datastore, costs).calibrate(max(levels))
+    _engine(loaded, True, max(levels), budget, datastore, costs, runner).calibrate(max(levels))
     report = ServeLoadReport(
         environment=environment if environment is not None else {"model": loaded.name},
         settings={
@@ -231,7 +232,7 @@ def run_serve_load(
         for speculation in (False, True):
             if progress is not None:
                 progress(f"concurrency {level}, speculation {MODES[speculation]}")
-            engine = _engine(loaded, speculation, level, budget, datastore, costs)
+            engine = _engine(loaded, speculation, level, budget, datastore, costs, runner)
             engine.warm_up(level)
             run = _serve(engine, speculation, loaded.name, prompts, level, max_new_tokens)
             if plain is None:
@@ -253,10 +254,11 @@ def _engine(
     budget: int,
     datastore: Datastore | None,
     costs: CostModel | None,
+    runner: str,
 ) -> Engine:
     """What ``reader serve`` builds: the READER drafter (history on), or none."""
     drafter = ReaderDrafter(datastore=datastore) if speculation else None
-    return Engine(loaded, drafter, budget=budget, max_batch_size=max_batch_size, costs=costs)
+    return Engine(loaded, drafter, budget=budget, max_batch_size=max_batch_size, costs=costs, runner=runner)
 
 
 def _serve(

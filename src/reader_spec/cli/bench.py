@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         draft=draft,
         datastore=datastore,
         sampling=sampling,
+        runner=args.runner,
     )
     print(report.markdown())
     if args.out:

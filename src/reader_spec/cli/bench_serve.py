@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         budget=args.budget,
         datastore=datastore,
+        runner=args.runner,
         environment=environment(loaded),
         progress=log.info,
     )

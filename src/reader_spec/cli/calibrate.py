@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1 or args.budget < 1:
         raise ValueError("--batch-size and --budget must be positive")
     loaded = load_model(args.model)
-    engine = Engine(loaded, ReaderDrafter(), budget=args.budget)
+    engine = Engine(loaded, ReaderDrafter(), budget=args.budget, runner=args.runner)
     engine.calibrate(args.batch_size)
     costs = engine.costs
     print(f"verification costs of {loaded.name} ({loaded.model.dtype}), cached in {costs.path}")

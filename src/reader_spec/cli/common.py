@@ -9,13 +9,23 @@ from reader_spec.drafters import ReaderDrafter
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.drafters.retrieval.history import DEFAULT_MAX_TOKENS
 from reader_spec.engine.loop import DEFAULT_BUDGET, Engine
+from reader_spec.engine.runner import RUNNERS
 from reader_spec.loading import LoadedModel
 
 
-def add_model_option(parser: argparse.ArgumentParser) -> None:
+def add_model_option(parser: argparse.ArgumentParser, runner: bool = True) -> None:
+    """``--model``, and unless the command runs no forward, ``--runner``."""
     parser.add_argument(
         "--model", help="hub id, local directory or .gguf file (default: SmolLM2-135M-Instruct)"
     )
+    if runner:
+        parser.add_argument(
+            "--runner",
+            choices=RUNNERS,
+            default="auto",
+            help="the model's forward: fast (the engine's decoder for Llama, Mistral, Qwen2/3, Phi-3), "
+            "transformers (the model's own), auto (fast where supported; default)",
+        )
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -75,4 +85,5 @@ def build_engine(args: argparse.Namespace, loaded: LoadedModel, max_batch_size: 
         budget=args.budget,
         adaptive_budget=not args.fixed_budget,
         max_batch_size=max_batch_size,
+        runner=args.runner,
     )

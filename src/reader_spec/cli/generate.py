@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     outputs, seconds = _timed_run(engine, prompts, ids, config, args.batch_size, "reader")
     baseline, baseline_seconds = None, None
     if args.compare:
-        plain = Engine(loaded)
+        plain = Engine(loaded, runner=args.runner)
         baseline, baseline_seconds = _timed_run(plain, prompts, ids, config, args.batch_size, "plain")
 
     summary = _summary(outputs, seconds, baseline, baseline_seconds)

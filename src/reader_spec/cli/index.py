@@ -31,7 +31,7 @@ def add_parser(commands) -> None:
         "plain-text document. --from-model: the model's greedy answers to the prompts, stored with their "
         "prompts as the token ids the model saw and produced.",
     )
-    add_model_option(build)
+    add_model_option(build, runner=False)
     build.add_argument("--input", nargs="+", default=[], metavar="FILE", help="documents to index")
     build.add_argument(
         "--from-model",

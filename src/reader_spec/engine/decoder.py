@@ -77,10 +77,9 @@ class FastDecoder:
             core.embed_tokens = self.embed = _TiedEmbedding(self.lm_head)
         layer_types = getattr(model.config, "layer_types", None)
         window = getattr(model.config, "sliding_window", None)
-        self.layers = [
-            self._pack_layer(layer, sliding=bool(window) and (layer_types is None or layer_types[i] == "sliding_attention"))
-            for i, layer in enumerate(core.layers)
-        ]
+        slides = [bool(window) and (layer_types is None or kind == "sliding_attention")
+                  for kind in layer_types or [None] * len(core.layers)]  # fmt: skip
+        self.layers = [self._pack_layer(layer, s) for layer, s in zip(core.layers, slides, strict=True)]
         self.attend = packed(_sdpa)
 
     def _pack_layer(self, layer: nn.Module, sliding: bool) -> _Layer:
@@ -175,6 +174,9 @@ class _TiedEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.lm_head[0].rows_of(tokens)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.lm_head[0].plain_weight()
 
 
 def _sdpa(module, query, key, value, mask, scaling: float, **kwargs):

@@ -206,16 +206,22 @@ class Engine:
             costs.calibrate(max_batch_size, progress=lambda done, total: bar.update())
 
     @property
+    def runner_name(self) -> str:
+        """Which forward runs the model: ``fast`` (the engine's decoder) or ``transformers``."""
+        return self._ensure_runner().name
+
+    @property
     def costs(self) -> CostModel:
         """Verification cost curves, read from the cache (:meth:`calibrate` measures missing ones)."""
         if self._costs is None:
             from reader_spec.budget.probe import probe_verify
 
-            runner = self._ensure_runner().name
-            path = cost_cache_path(f"{self.loaded.name}|{self.loaded.fingerprint}|{self.model.dtype}|{runner}")
+            runner = self.runner_name
+            loaded = self.loaded
+            path = cost_cache_path(f"{loaded.name}|{loaded.fingerprint}|{self.model.dtype}|{runner}")
             self._costs = CostModel(
                 load_costs(path),
-                measure=lambda batch, drafted, context: probe_verify(self.model, batch, drafted, context, runner),
+                measure=lambda batch, drafted, n: probe_verify(self.model, batch, drafted, n, runner),
                 budget=self.budget,
                 path=path,
             )

@@ -182,7 +182,8 @@ class ModelRunner:
         if self.decoder is not None:
             masks = {name: m.to(device) for name, m in masks.items()}
             keep = None if keep is None else keep.to(device)
-            return self.decoder(input_ids.to(device), positions.to(device), masks, self.cache, layout, keep).float()
+            logits = self.decoder(input_ids.to(device), positions.to(device), masks, self.cache, layout, keep)
+            return logits.float()
         masks = {name: m.to(device) for name, m in additive(masks, self.dtype).items()}
         try:
             out = self.model(
@@ -234,7 +235,7 @@ def fast_decoder(model: PreTrainedModel, runner: str) -> FastDecoder | None:
     name = "fast" if chosen is not None else "transformers"
     if (type(model).__name__, name) not in _ANNOUNCED:
         _ANNOUNCED.add((type(model).__name__, name))
-        log.warning("reader-spec: %s runs on the %s runner", type(model).__name__, name)
+        log.info("%s runs on the %s runner", type(model).__name__, name)
     return chosen
 
 

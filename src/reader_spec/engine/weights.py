@@ -16,6 +16,7 @@ becomes a view of its rows.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Sequence
@@ -69,6 +70,18 @@ class PackedLinear(nn.Module):
         """A fused output's parts (views)."""
         return [out[..., start : start + size] for start, size in self.parts]
 
+    def plain_weight(self) -> torch.Tensor:
+        """The ``[out, in]`` matrix (a copy when blocked)."""
+        if not self.blocked:
+            return self.weight
+        return self.weight.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].contiguous()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # A packed model saves what nn.Linear would: save_pretrained writes loadable files.
+        destination[prefix + "weight"] = self.plain_weight()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias[: self.out_features]
+
     def rows_of(self, tokens: torch.Tensor) -> torch.Tensor:
         """Rows of the plain matrix (an embedding lookup in a tied output layer)."""
         if not self.blocked:
@@ -105,10 +118,10 @@ def pack_linears(
     bias = None if not has_bias else biases[0] if len(biases) == 1 else torch.cat(biases)
     if len(modules) == 1:
         offsets = [0, *itertools.accumulate(parts)][:-1] if parts else [0]
-        whole = PackedLinear(fused, bias, sizes[0], blocked, list(zip(offsets, parts or sizes)))
+        whole = PackedLinear(fused, bias, sizes[0], blocked, list(zip(offsets, parts or sizes, strict=True)))
         return whole, [whole]
     starts = [0, *itertools.accumulate(stored)][:-1]
-    whole = PackedLinear(fused, bias, sum(stored), blocked, list(zip(starts, sizes)))
+    whole = PackedLinear(fused, bias, sum(stored), blocked, list(zip(starts, sizes, strict=True)))
     views = []
     for start, size, room in zip(starts, sizes, stored, strict=True):
         rows = slice(start // BLOCK, (start + room) // BLOCK) if blocked else slice(start, start + size)
@@ -153,8 +166,8 @@ def _time_kernels(weight: torch.Tensor, repeats: int = 3) -> dict[int, bool]:
     with torch.inference_mode():
         for rows in ROW_BUCKETS:
             x = torch.randn(rows, weight.shape[1])
-            compiled = _best_time(lambda: blocked_linear(x, weight, None, out_features), repeats)
-            batched = _best_time(lambda: torch.matmul(x, weight).transpose(0, 1).reshape(rows, -1), repeats)
+            compiled = _best_time(functools.partial(blocked_linear, x, weight, None, out_features), repeats)
+            batched = _best_time(functools.partial(torch.matmul, x, weight), repeats)
             choices[rows] = compiled <= batched
     return choices
 
