@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -113,6 +113,49 @@ def _group(widths: list[int], lengths: list[int], first: int, end: int, first_ro
         offsets = torch.tensor([offset for n in own for offset in range(n)])
         padding = (rows, offsets)
     return AttentionGroup(first, first_row, end - first, width, kv_length, sum(own), padding)
+
+
+def visibility(
+    lengths: torch.Tensor,
+    local_masks: Sequence[torch.Tensor],
+    positions: torch.Tensor,
+    kv_length: int,
+    sliding_window: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Which keys each new token sees, ``(batch, 1, width, kv_length)`` booleans per layer type.
+
+    New tokens are written after each row's context: token i of row b sees the row's committed
+    context and the new tokens ``local_masks[b][i]`` marks. ``positions`` are the new tokens' position
+    ids, padded to the widest tree. Rows past a tree's own tokens are padding: an attention group
+    that pads its trees computes them and discards the result; they see key 0, so no row is empty.
+    """
+    batch, width = positions.shape
+    widths = torch.tensor([local.shape[0] for local in local_masks])
+    local = torch.zeros(batch, width, width, dtype=torch.bool)
+    for b, tree in enumerate(local_masks):
+        local[b, : tree.shape[0], : tree.shape[0]] = tree
+    offset = torch.arange(kv_length)[None] - lengths[:, None]  # key index relative to the new tokens
+    inside = (offset >= 0) & (offset < width)
+    index = offset.clamp(0, width - 1)
+    sees_tree = local.gather(2, index[:, None].expand(batch, width, kv_length)) & inside[:, None]
+    allowed = (offset < 0)[:, None] | sees_tree
+    padding = (torch.arange(width)[None] >= widths[:, None])[..., None]
+    first_key = torch.arange(kv_length) == 0
+    allowed = torch.where(padding, first_key, allowed)
+    masks = {"full_attention": allowed[:, None]}
+    if sliding_window is not None:
+        key_positions = torch.where(inside, positions.gather(1, index), torch.arange(kv_length)[None])
+        distance = positions[:, :, None] - key_positions[:, None, :]
+        masks["sliding_attention"] = (allowed & (distance < sliding_window))[:, None]
+    return masks
+
+
+def additive(masks: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Boolean masks as the additive float masks transformers' attention takes."""
+    return {
+        name: torch.zeros_like(m, dtype=dtype).masked_fill_(~m, torch.finfo(dtype).min)
+        for name, m in masks.items()
+    }
 
 
 def packed(inner: AttentionFunction) -> AttentionFunction:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from reader_spec.engine.attention import PackedLayout, packed
+from reader_spec.engine.attention import PackedLayout, additive, packed
 from reader_spec.engine.kv_cache import RaggedKVCache
 from reader_spec.engine.weights import PackedLinear, pack_linears
 
@@ -45,6 +45,7 @@ def supports(model: PreTrainedModel) -> bool:
 class _Layer:
     input_norm: nn.Module
     qkv: PackedLinear
+    heads: int
     query_norm: nn.Module | None
     key_norm: nn.Module | None
     output: PackedLinear
@@ -80,7 +81,7 @@ class FastDecoder:
         slides = [bool(window) and (layer_types is None or kind == "sliding_attention")
                   for kind in layer_types or [None] * len(core.layers)]  # fmt: skip
         self.layers = [self._pack_layer(layer, s) for layer, s in zip(core.layers, slides, strict=True)]
-        self.attend = packed(_sdpa)
+        self.attend = packed(_attention)
 
     def _pack_layer(self, layer: nn.Module, sliding: bool) -> _Layer:
         attention, mlp = layer.self_attn, layer.mlp
@@ -101,9 +102,11 @@ class FastDecoder:
         else:
             gate_up, (mlp.gate_proj, mlp.up_proj) = pack_linears([mlp.gate_proj, mlp.up_proj])
         mlp.down_proj, _ = pack_linears([mlp.down_proj])
+        heads = qkv.parts[0][1] // self.head_dim
         return _Layer(
             input_norm=layer.input_layernorm,
             qkv=qkv,
+            heads=heads,
             query_norm=getattr(attention, "q_norm", None),
             key_norm=getattr(attention, "k_norm", None),
             output=attention.o_proj,
@@ -127,32 +130,38 @@ class FastDecoder:
     ) -> torch.Tensor:
         """Logits ``[tokens kept, vocab]`` of a packed pass; ``keep`` indexes the tokens (None: all)."""
         hidden = self.embed(input_ids)
+        masks = additive(masks, hidden.dtype)
         cos, sin = self._rotary(hidden, positions)
         tokens = input_ids.shape[0]
         for index, layer in enumerate(self.layers):
             mask = masks["sliding_attention" if layer.sliding else "full_attention"]
-            residual = hidden
-            query, key, value = layer.qkv.split(layer.qkv(layer.input_norm(hidden)))
-            query = query.view(1, tokens, -1, self.head_dim)
-            key = key.view(1, tokens, -1, self.head_dim)
-            if layer.query_norm is not None:
-                query, key = layer.query_norm(query), layer.key_norm(key)
-            query, key = self.apply_rotary(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
-            value = value.view(1, tokens, -1, self.head_dim).transpose(1, 2)
-            keys, values = cache.layers[index].update(key, value)
+            qkv = layer.qkv(_rms_norm(layer.input_norm, hidden))
+            query_key = self._rotate(_query_key(layer, qkv, tokens, self.head_dim), cos, sin)
+            value = layer.qkv.split(qkv)[2].view(tokens, -1, self.head_dim)
+            keys, values = cache.layers[index].write(query_key[:, layer.heads :], value)
+            query = query_key[None, :, : layer.heads].transpose(1, 2)
             if layout is None:
-                attended, _ = _sdpa(layer.attention, query, keys, values, mask, scaling=self.scaling)
+                attended, _ = _attention(layer.attention, query, keys, values, mask, scaling=self.scaling)
             else:
                 attended, _ = self.attend(
                     layer.attention, query, keys, values, mask, scaling=self.scaling, packed_layout=layout
                 )
-            hidden = residual + layer.output(attended.reshape(tokens, -1))
-            residual = hidden
-            gate, up = layer.gate_up.split(layer.gate_up(layer.post_attention_norm(hidden)))
-            hidden = residual + layer.down(layer.activation(gate) * up)
+            hidden = hidden + layer.output(attended.reshape(tokens, -1))
+            gate, up = layer.gate_up.split(layer.gate_up(_rms_norm(layer.post_attention_norm, hidden)))
+            hidden = hidden + layer.down(layer.activation(gate) * up)
         if keep is not None:
             hidden = hidden[keep]
-        return self.lm_head(self.norm(hidden))
+        return self.lm_head(_rms_norm(self.norm, hidden))
+
+    def _rotate(self, query_key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of queries and keys together (``[tokens, heads, head_dim]``), with the
+        model's own formula; a partial rotation (Phi-3 variants) goes through the model's function."""
+        cos, sin = cos[0, :, None], sin[0, :, None]
+        if cos.shape[-1] != query_key.shape[-1]:
+            rotated, _ = self.apply_rotary(query_key, query_key[:, :0], cos, sin, unsqueeze_dim=1)
+            return rotated
+        half = query_key.shape[-1] // 2
+        return query_key * cos + torch.cat((-query_key[..., half:], query_key[..., :half]), dim=-1) * sin
 
     def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if getattr(self.rotary, "rope_type", "default") not in STATIC_ROPE_TYPES:
@@ -163,6 +172,24 @@ class FastDecoder:
             self.rotary_table = self.rotary(hidden, torch.arange(size, device=hidden.device)[None])
         cos, sin = self.rotary_table
         return cos[:, positions], sin[:, positions]
+
+
+def _query_key(layer: _Layer, qkv: torch.Tensor, tokens: int, head_dim: int) -> torch.Tensor:
+    """Queries and keys as one ``[tokens, heads + kv_heads, head_dim]`` block (a view where they lie
+    side by side; normed per head where the family does)."""
+    (query_start, query_size), (key_start, key_size), _ = layer.qkv.parts
+    if layer.query_norm is None and key_start == query_start + query_size:
+        return qkv[:, query_start : key_start + key_size].view(tokens, -1, head_dim)
+    query = qkv[:, query_start : query_start + query_size].view(tokens, -1, head_dim)
+    key = qkv[:, key_start : key_start + key_size].view(tokens, -1, head_dim)
+    if layer.query_norm is not None:
+        query, key = _rms_norm(layer.query_norm, query), _rms_norm(layer.key_norm, key)
+    return torch.cat((query, key), dim=1)
+
+
+def _rms_norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The family's RMSNorm (``weight * x / rms(x)``) as PyTorch's fused kernel."""
+    return nn.functional.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
 
 
 class _TiedEmbedding(nn.Module):
@@ -179,9 +206,24 @@ class _TiedEmbedding(nn.Module):
         destination[prefix + "weight"] = self.lm_head[0].plain_weight()
 
 
-def _sdpa(module, query, key, value, mask, scaling: float, **kwargs):
-    """Attention of ``query`` on cache rows, key/value heads shared by reading them in place."""
-    output = nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
-    )
+SHORT_QUERY = 64
+"""Query widths up to which attention is two matrix products (below, PyTorch's fused CPU kernel
+spends most of its time on setup: a millisecond per layer for 32 one-token queries)."""
+
+
+def _attention(module, query, key, value, mask, scaling: float, **kwargs):
+    """``softmax(q k^T * scaling + mask) v`` of ``query`` on cache rows; grouped key/value heads are
+    read in place (no copy per query head). ``mask`` is additive."""
+    rows, heads, width, head_dim = query.shape
+    if width > SHORT_QUERY:
+        output = nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=heads != key.shape[1]
+        )
+        return output.transpose(1, 2), None
+    kv_heads = key.shape[1]
+    grouped = query.reshape(rows, kv_heads, heads // kv_heads * width, head_dim)
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).mul_(scaling)
+    scores = scores.view(rows, kv_heads, heads // kv_heads, width, -1).add_(mask[:, :, None])
+    probabilities = scores.softmax(dim=-1).view(rows, kv_heads, heads // kv_heads * width, -1)
+    output = torch.matmul(probabilities, value).view(rows, heads, width, -1)
     return output.transpose(1, 2), None

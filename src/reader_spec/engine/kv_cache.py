@@ -32,18 +32,25 @@ class _RaggedLayer(CacheLayerMixin):
         self.values: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Buffers shaped after a pass's keys and values (``[..., heads, tokens, head_dim]``)."""
         owner = self.owner
-        shape = (owner.num_rows, key_states.shape[1], owner.capacity)
+        shape = (owner.num_rows, key_states.shape[-3], owner.capacity)
         self.keys = key_states.new_zeros((*shape, key_states.shape[-1]))
         self.values = value_states.new_zeros((*shape, value_states.shape[-1]))
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """transformers' entry: ``[1, heads, tokens, head_dim]``."""
+        return self.write(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a pass's keys and values (``[tokens, heads, head_dim]``) in place; returns views of the
+        rows the pass attends to, ``[rows, heads, kv_length, head_dim]``."""
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            self.lazy_initialization(keys.transpose(0, 1), values.transpose(0, 1))
         span, rows, positions, kv_length = self.owner.window()
-        self.keys[rows, :, positions] = key_states[0].transpose(0, 1)
-        self.values[rows, :, positions] = value_states[0].transpose(0, 1)
+        self.keys[rows, :, positions] = keys
+        self.values[rows, :, positions] = values
         return self.keys[span, :, :kv_length], self.values[span, :, :kv_length]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
