@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
@@ -70,3 +71,36 @@ def time_interleaved(
             if round_:
                 times[key].append(time.perf_counter() - start)
     return {key: min(samples) for key, samples in times.items()}
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The least a pass can cost on this machine: reading every weight once, or multiplying it by
+    every token, whichever takes longer."""
+
+    weight_bytes: int
+    parameters: int
+    bytes_per_second: float
+    """Measured: reading a buffer as large as the weights."""
+    flops_per_second: float
+    """Measured: a large float matrix product."""
+
+    def seconds(self, tokens: int) -> float:
+        return max(
+            self.weight_bytes / self.bytes_per_second, 2 * self.parameters * tokens / self.flops_per_second
+        )
+
+
+def measure_floor(model: PreTrainedModel, rounds: int = 5) -> Floor:
+    """This machine's floor for ``model``'s passes (a few seconds of measuring)."""
+    unique = {p.untyped_storage().data_ptr(): p for p in model.parameters()}.values()
+    weight_bytes = sum(p.numel() * p.element_size() for p in unique)
+    parameters = sum(p.numel() for p in unique)
+    device, dtype = model.device, model.dtype
+    synchronize = synchronizer(device)
+    buffer = torch.ones(weight_bytes // torch.finfo(dtype).bits * 8, dtype=dtype, device=device)
+    size = 2048
+    a = torch.ones(size, size, dtype=dtype, device=device)
+    with torch.inference_mode():
+        times = time_interleaved({0: buffer.sum, 1: lambda: a @ a}, rounds, synchronize)
+    return Floor(weight_bytes, parameters, weight_bytes / times[0], 2 * size**3 / times[1])

@@ -57,4 +57,24 @@ def run(args: argparse.Namespace) -> int:
         ]
         per_token = (costs.seconds(batch, 0, LONG_CONTEXT) - plain) / (LONG_CONTEXT - PROBE_CONTEXT)
         print(f"batch {batch:>3}: {'  '.join(cells)}  | context {1e6 * per_token:.2f}")
+    _print_floor(engine, args.budget)
     return 0
+
+
+def _print_floor(engine: Engine, budget: int) -> None:
+    """Batch 1's curve beside this machine's floor for each pass width."""
+    from reader_spec.budget.probe import measure_floor
+
+    floor = measure_floor(engine.model)
+    print(
+        f"\nfloor on this machine ({engine.runner_name} runner): {floor.weight_bytes / 1e6:.0f} MB "
+        f"of weights at {floor.bytes_per_second / 1e9:.1f} GB/s read, "
+        f"{floor.parameters / 1e6:.1f}M parameters at {floor.flops_per_second / 1e9:.0f} GFLOP/s"
+    )
+    print("batch 1, tokens in the pass: measured ms / floor ms (ratio)")
+    cells = []
+    for tokens in range(1, budget + 2):
+        measured, least = engine.costs.seconds(1, tokens - 1), floor.seconds(tokens)
+        cells.append(f"{tokens}: {1e3 * measured:.1f}/{1e3 * least:.1f} ({measured / least:.2f})")
+    for start in range(0, len(cells), 6):
+        print("  ".join(cells[start : start + 6]))

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from reader_spec.engine import kernels
 from reader_spec.engine.attention import PackedLayout, additive, packed
 from reader_spec.engine.kv_cache import RaggedKVCache
 from reader_spec.engine.weights import PackedLinear, pack_linears
@@ -207,23 +208,18 @@ class _TiedEmbedding(nn.Module):
 
 
 SHORT_QUERY = 64
-"""Query widths up to which attention is two matrix products (below, PyTorch's fused CPU kernel
-spends most of its time on setup: a millisecond per layer for 32 one-token queries)."""
+"""Query widths per sequence up to which the compiled kernel attends (PyTorch's fused CPU kernel
+spends most of its time on setup there: a millisecond per layer for 32 one-token queries)."""
 
 
 def _attention(module, query, key, value, mask, scaling: float, **kwargs):
-    """``softmax(q k^T * scaling + mask) v`` of ``query`` on cache rows; grouped key/value heads are
-    read in place (no copy per query head). ``mask`` is additive."""
-    rows, heads, width, head_dim = query.shape
-    if width > SHORT_QUERY:
-        output = nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=heads != key.shape[1]
-        )
-        return output.transpose(1, 2), None
-    kv_heads = key.shape[1]
-    grouped = query.reshape(rows, kv_heads, heads // kv_heads * width, head_dim)
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).mul_(scaling)
-    scores = scores.view(rows, kv_heads, heads // kv_heads, width, -1).add_(mask[:, :, None])
-    probabilities = scores.softmax(dim=-1).view(rows, kv_heads, heads // kv_heads * width, -1)
-    output = torch.matmul(probabilities, value).view(rows, heads, width, -1)
+    """``softmax(q k^T * scaling + mask) v`` of ``query`` (``[rows, heads, width, dim]``) on cache
+    rows; grouped key/value heads are read in place. ``mask`` is additive. Returns
+    ``[rows, width, heads, dim]``."""
+    short = query.shape[2] <= SHORT_QUERY and query.device.type == "cpu" and query.dtype == torch.float32
+    if short and kernels.available():
+        return torch.ops.reader_spec.short_attention(query, key, value, mask, scaling), None
+    output = nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+    )
     return output.transpose(1, 2), None

@@ -119,6 +119,7 @@ def pack_linears(
     bias = None if not has_bias else biases[0] if len(biases) == 1 else torch.cat(biases)
     if len(modules) == 1:
         offsets = [0, *itertools.accumulate(parts)][:-1] if parts else [0]
+        bias = None if bias is None else bias[: sizes[0]]
         whole = PackedLinear(fused, bias, sizes[0], blocked, list(zip(offsets, parts or sizes, strict=True)))
         return whole, [whole]
     starts = [0, *itertools.accumulate(stored)][:-1]
@@ -155,7 +156,7 @@ def _compiled_wins(weight: torch.Tensor, rows: int) -> bool:
     key = (weight.shape[0], weight.shape[1])
     choices = _CHOICES.get(key)
     if choices is None:
-        choices = _CHOICES[key] = _time_kernels(weight) if kernels.blocked_linear_available() else {}
+        choices = _CHOICES[key] = _time_kernels(weight) if kernels.available() else {}
     bucket = next((b for b in ROW_BUCKETS if b >= rows), None)
     return choices.get(bucket, False)
 

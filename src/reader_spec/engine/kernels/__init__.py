@@ -1,4 +1,4 @@
-"""The engine's compiled CPU kernel, built once per machine with the C++ compiler PyTorch uses.
+"""The engine's compiled CPU kernels, built once per machine with the C++ compiler PyTorch uses.
 
 ``make`` builds it (``python -m reader_spec.engine.kernels``); otherwise the first fast runner on a
 CPU builds it (about ten seconds) into the cache directory, keyed by the source, the PyTorch version
@@ -18,7 +18,7 @@ import torch
 
 from reader_spec.files import cache_root
 
-SOURCE = Path(__file__).with_name("blocked_linear.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("blocked_linear.cpp", "short_attention.cpp")]
 BLOCK = 32
 """Output columns per weight block; must match ``kBlock`` in the source."""
 
@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 
 def build_directory() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode())
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES))
+    key.update(torch.__version__.encode() + _cpu_flags().encode())
     return cache_root() / "kernels" / key.hexdigest()[:16]
 
 
@@ -41,8 +42,9 @@ def _cpu_flags() -> str:
 
 
 @cache
-def blocked_linear_available() -> bool:
-    """Build (if needed) and load the kernel; False, said once, where that fails."""
+def available() -> bool:
+    """Build (if needed) and load the kernels (``torch.ops.reader_spec``); False, said once, where
+    that fails."""
     from torch.utils.cpp_extension import load
 
     directory = build_directory()
@@ -50,13 +52,13 @@ def blocked_linear_available() -> bool:
     try:
         load(
             name="reader_spec_kernels",
-            sources=[str(SOURCE)],
+            sources=[str(s) for s in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),
             is_python_module=False,
         )
     except Exception as error:  # any build failure leaves PyTorch's kernels, which are exact too
-        log.warning("the compiled CPU kernel could not be built (%s); using PyTorch's matmul", error)
+        log.warning("the compiled CPU kernels could not be built (%s); using PyTorch's", error)
         return False
     return True

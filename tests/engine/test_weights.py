@@ -1,0 +1,106 @@
+"""Packed weights multiply like ``nn.Linear``, whichever kernel runs, and keep no second copy."""
+
+import pytest
+import torch
+from torch import nn
+
+import reader_spec.engine.weights as weights
+from reader_spec.engine import kernels
+from reader_spec.engine.decoder import _attention
+from reader_spec.engine.weights import PackedLinear, pack_linears
+
+TOL = 1e-5
+
+
+def linear(out_features: int, in_features: int, bias: bool, seed: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(in_features, out_features, bias=bias).requires_grad_(False)
+
+
+@pytest.fixture(params=["compiled", "batched matmul"])
+def kernel(request, monkeypatch):
+    """Force one kernel for every row count (the engine picks per shape and row count by timing)."""
+    if request.param == "compiled" and not kernels.available():
+        pytest.fail("the compiled kernels must build on this machine (make builds them)")
+    monkeypatch.setattr(weights, "_compiled_wins", lambda weight, rows: request.param == "compiled")
+    return request.param
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 17, 70])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_matrix_multiplies_like_nn_linear(kernel, rows, bias):
+    module = linear(100, 70, bias, seed=rows)  # 100 outputs: the last block of 32 is partial
+    reference = module.weight.clone(), None if module.bias is None else module.bias.clone()
+    packed, _ = pack_linears([module])
+    x = torch.randn(2, rows, 70)
+    expected = nn.functional.linear(x, *reference)
+    assert packed.blocked and packed(x).shape == (2, rows, 100)
+    assert torch.allclose(packed(x), expected, rtol=0, atol=TOL)
+
+
+def test_fused_matrices_split_into_their_parts_and_views_stay_usable(kernel):
+    parts = [linear(n, 48, bias=n == 16, seed=n) for n in (64, 16, 16)]  # q, k (with bias), v
+    references = [(p.weight.clone(), None if p.bias is None else p.bias.clone()) for p in parts]
+    fused, views = pack_linears(parts)
+    x = torch.randn(5, 48)
+    expected = [nn.functional.linear(x, *ref) for ref in references]
+    for got, want, view in zip(fused.split(fused(x)), expected, views, strict=True):
+        assert (got - want).abs().max() < TOL
+        assert (view(x) - want).abs().max() < TOL
+    assert all(not hasattr(p, "weight") for p in parts)  # originals freed
+    stored = fused.weight.numel()
+    assert stored == (64 + 32 + 32) * 48  # each part padded to whole blocks of 32 rows, nothing more
+    assert all(
+        v.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr() for v in views
+    )
+
+
+def test_a_packed_module_saves_and_looks_up_the_plain_matrix():
+    module = linear(96, 40, bias=True, seed=3)
+    weight, bias = module.weight.clone(), module.bias.clone()
+    packed, _ = pack_linears([module])
+    state = packed.state_dict()
+    assert torch.equal(state["weight"], weight) and torch.equal(state["bias"], bias)
+    tokens = torch.tensor([0, 31, 32, 95, 7])
+    assert torch.equal(packed.rows_of(tokens), weight[tokens])
+
+
+def test_other_dtypes_keep_the_plain_layout():
+    module = linear(64, 32, bias=False, seed=4).to(torch.bfloat16)
+    weight = module.weight.clone()
+    packed, _ = pack_linears([module])
+    assert not packed.blocked and torch.equal(packed.weight, weight)
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    assert torch.equal(packed(x), nn.functional.linear(x, weight))
+
+
+@pytest.mark.parametrize("width", [1, 5, 64])
+def test_short_attention_equals_sdpa_on_strided_cache_rows(width):
+    assert kernels.available()
+    torch.manual_seed(width)
+    rows, heads, kv_heads, dim, kv_length = 3, 6, 2, 16, 40
+    cache = torch.randn(2, rows, kv_heads, 64, dim)  # capacity 64: the pass sees a strided view
+    key, value = cache[0, :, :, :kv_length], cache[1, :, :, :kv_length]
+    query = torch.randn(rows, width, heads, dim).transpose(1, 2)  # as the decoder makes it
+    allowed = torch.rand(rows, 1, width, kv_length) < 0.7
+    allowed[..., 0] = True
+    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    got, _ = _attention(None, query, key, value, mask, scaling=0.3)
+    want = nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True
+    ).transpose(1, 2)
+    assert got.shape == (rows, width, heads, dim)
+    assert (got - want).abs().max() < TOL
+
+
+def test_packed_linear_is_what_the_model_holds_after_packing(tiny):
+    """Sanity of the module swap: every projection of a packed model is a PackedLinear."""
+    import copy
+
+    from reader_spec.engine.decoder import FastDecoder
+
+    model = copy.deepcopy(tiny.model)
+    FastDecoder(model)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert not linears and len(packed) == 1 + 7 * model.config.num_hidden_layers
