@@ -6,7 +6,6 @@ from torch import nn
 
 import reader_spec.engine.weights as weights
 from reader_spec.engine import kernels
-from reader_spec.engine.decoder import _attention
 from reader_spec.engine.weights import PackedLinear, pack_linears
 
 TOL = 1e-5
@@ -72,25 +71,6 @@ def test_other_dtypes_keep_the_plain_layout():
     assert not packed.blocked and torch.equal(packed.weight, weight)
     x = torch.randn(3, 32, dtype=torch.bfloat16)
     assert torch.equal(packed(x), nn.functional.linear(x, weight))
-
-
-@pytest.mark.parametrize("width", [1, 5, 64])
-def test_short_attention_equals_sdpa_on_strided_cache_rows(width):
-    assert kernels.available()
-    torch.manual_seed(width)
-    rows, heads, kv_heads, dim, kv_length = 3, 6, 2, 16, 40
-    cache = torch.randn(2, rows, kv_heads, 64, dim)  # capacity 64: the pass sees a strided view
-    key, value = cache[0, :, :, :kv_length], cache[1, :, :, :kv_length]
-    query = torch.randn(rows, width, heads, dim).transpose(1, 2)  # as the decoder makes it
-    allowed = torch.rand(rows, 1, width, kv_length) < 0.7
-    allowed[..., 0] = True
-    mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
-    got, _ = _attention(None, query, key, value, mask, scaling=0.3)
-    want = nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True
-    ).transpose(1, 2)
-    assert got.shape == (rows, width, heads, dim)
-    assert (got - want).abs().max() < TOL
 
 
 def test_packed_linear_is_what_the_model_holds_after_packing(tiny):

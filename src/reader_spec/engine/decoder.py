@@ -21,7 +21,6 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from reader_spec.engine import kernels
 from reader_spec.engine.attention import PackedLayout, additive, packed
 from reader_spec.engine.kv_cache import RaggedKVCache
 from reader_spec.engine.weights import PackedLinear, pack_linears
@@ -207,18 +206,9 @@ class _TiedEmbedding(nn.Module):
         destination[prefix + "weight"] = self.lm_head[0].plain_weight()
 
 
-SHORT_QUERY = 64
-"""Query widths per sequence up to which the compiled kernel attends (PyTorch's fused CPU kernel
-spends most of its time on setup there: a millisecond per layer for 32 one-token queries)."""
-
-
 def _attention(module, query, key, value, mask, scaling: float, **kwargs):
-    """``softmax(q k^T * scaling + mask) v`` of ``query`` (``[rows, heads, width, dim]``) on cache
-    rows; grouped key/value heads are read in place. ``mask`` is additive. Returns
-    ``[rows, width, heads, dim]``."""
-    short = query.shape[2] <= SHORT_QUERY and query.device.type == "cpu" and query.dtype == torch.float32
-    if short and kernels.available():
-        return torch.ops.reader_spec.short_attention(query, key, value, mask, scaling), None
+    """``query`` (``[rows, heads, width, dim]``) on cache rows, grouped key/value heads read in place;
+    ``mask`` is additive. Returns ``[rows, width, heads, dim]``."""
     output = nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
     )

@@ -1,4 +1,4 @@
-"""The engine's compiled CPU kernels, built once per machine with the C++ compiler PyTorch uses.
+"""The engine's compiled CPU kernel, built once per machine with the C++ compiler PyTorch uses.
 
 ``make`` builds it (``python -m reader_spec.engine.kernels``); otherwise the first fast runner on a
 CPU builds it (about ten seconds) into the cache directory, keyed by the source, the PyTorch version
@@ -18,7 +18,7 @@ import torch
 
 from reader_spec.files import cache_root
 
-SOURCES = [Path(__file__).with_name(name) for name in ("blocked_linear.cpp", "short_attention.cpp")]
+SOURCES = [Path(__file__).with_name("blocked_linear.cpp")]
 BLOCK = 32
 """Output columns per weight block; must match ``kBlock`` in the source."""
 
@@ -43,7 +43,7 @@ def _cpu_flags() -> str:
 
 @cache
 def available() -> bool:
-    """Build (if needed) and load the kernels (``torch.ops.reader_spec``); False, said once, where
+    """Build (if needed) and load the kernel (``torch.ops.reader_spec``); False, said once, where
     that fails."""
     from torch.utils.cpp_extension import load
 
@@ -59,6 +59,6 @@ def available() -> bool:
             is_python_module=False,
         )
     except Exception as error:  # any build failure leaves PyTorch's kernels, which are exact too
-        log.warning("the compiled CPU kernels could not be built (%s); using PyTorch's", error)
+        log.warning("the compiled CPU kernel could not be built (%s); using PyTorch's", error)
         return False
     return True

@@ -5,5 +5,5 @@ import sys
 from reader_spec.engine.kernels import available, build_directory
 
 if not available():
-    sys.exit("reader-spec: the compiled CPU kernels could not be built; the runner will use PyTorch's")
-print(f"reader-spec: compiled CPU kernels ready in {build_directory()}")
+    sys.exit("reader-spec: the compiled CPU kernel could not be built; the runner will use PyTorch's matmul")
+print(f"reader-spec: compiled CPU kernel ready in {build_directory()}")
