@@ -8,12 +8,15 @@ come from the model's own code, so family quirks stay the family's) with what th
 fused and packed projections (:mod:`reader_spec.engine.weights`), rotary tables computed once, cache
 rows written in place, packed attention over the batch's rows, and logits only where asked.
 
-Llama and Mistral, Qwen2 and Qwen3 (per-head query/key norms), and Phi-3 (already fused projections)
-share one layer shape; any other architecture runs through transformers (``ModelRunner``).
+Llama and Mistral, Qwen2 and Qwen3 (per-head query/key norms), Phi-3 (already fused projections) and
+Gemma 2 and 3 (norms around attention and MLP, scaled embeddings, soft-capping, a rotary table per
+layer type) share one layer shape with per-family switches; any other architecture runs through
+transformers (``ModelRunner``).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from dataclasses import dataclass
 
@@ -25,7 +28,7 @@ from reader_spec.engine.attention import PackedLayout, additive, packed
 from reader_spec.engine.kv_cache import RaggedKVCache
 from reader_spec.engine.weights import PackedLinear, pack_linears
 
-FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 """``model_type`` values the fast decoder runs; the rest use transformers' forward."""
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -49,12 +52,17 @@ class _Layer:
     query_norm: nn.Module | None
     key_norm: nn.Module | None
     output: PackedLinear
-    post_attention_norm: nn.Module
+    attention_output_norm: nn.Module | None
+    """Gemma: a norm on the attention's output before the residual."""
+    mlp_input_norm: nn.Module
+    mlp_output_norm: nn.Module | None
     gate_up: PackedLinear
     down: PackedLinear
     activation: nn.Module
     attention: nn.Module
-    sliding: bool
+    kind: str
+    """``full_attention`` or ``sliding_attention``: which mask (and, for Gemma 3, rotary table)."""
+    softcap: float | None
 
 
 class FastDecoder:
@@ -65,25 +73,30 @@ class FastDecoder:
         core = model.model
         attention0 = core.layers[0].self_attn
         self.apply_rotary = sys.modules[type(attention0).__module__].apply_rotary_pos_emb
+        self.eager_attention = getattr(
+            sys.modules[type(attention0).__module__], "eager_attention_forward", None
+        )
         self.head_dim = attention0.head_dim
         self.scaling = attention0.scaling
         self.rotary = core.rotary_emb
-        self.rotary_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.rotary_by_kind = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.rotary_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.final_softcap = getattr(model.config, "final_logit_softcapping", None)
         self.norm = core.norm
         self.embed = core.embed_tokens
         tied = model.lm_head.weight is core.embed_tokens.weight
         self.lm_head, _ = pack_linears([model.lm_head])
         model.lm_head = self.lm_head
         if tied:
-            core.embed_tokens = self.embed = _TiedEmbedding(self.lm_head)
-        layer_types = getattr(model.config, "layer_types", None)
-        window = getattr(model.config, "sliding_window", None)
-        slides = [bool(window) and (layer_types is None or kind == "sliding_attention")
-                  for kind in layer_types or [None] * len(core.layers)]  # fmt: skip
-        self.layers = [self._pack_layer(layer, s) for layer, s in zip(core.layers, slides, strict=True)]
-        self.attend = packed(_attention)
+            scale = getattr(core.embed_tokens, "embed_scale", None)
+            core.embed_tokens = self.embed = _TiedEmbedding(self.lm_head, scale)
+        self.layers = [
+            self._pack_layer(layer, kind)
+            for layer, kind in zip(core.layers, _kinds(model.config), strict=True)
+        ]
+        self.attend = packed(self._attention)
 
-    def _pack_layer(self, layer: nn.Module, sliding: bool) -> _Layer:
+    def _pack_layer(self, layer: nn.Module, kind: str) -> _Layer:
         attention, mlp = layer.self_attn, layer.mlp
         if hasattr(attention, "qkv_proj"):  # Phi-3: query, key and value are already one matrix
             config = attention.config
@@ -102,20 +115,23 @@ class FastDecoder:
         else:
             gate_up, (mlp.gate_proj, mlp.up_proj) = pack_linears([mlp.gate_proj, mlp.up_proj])
         mlp.down_proj, _ = pack_linears([mlp.down_proj])
-        heads = qkv.parts[0][1] // self.head_dim
+        gemma = hasattr(layer, "pre_feedforward_layernorm")
         return _Layer(
             input_norm=layer.input_layernorm,
             qkv=qkv,
-            heads=heads,
+            heads=qkv.parts[0][1] // self.head_dim,
             query_norm=getattr(attention, "q_norm", None),
             key_norm=getattr(attention, "k_norm", None),
             output=attention.o_proj,
-            post_attention_norm=layer.post_attention_layernorm,
+            attention_output_norm=layer.post_attention_layernorm if gemma else None,
+            mlp_input_norm=layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm,
+            mlp_output_norm=layer.post_feedforward_layernorm if gemma else None,
             gate_up=gate_up,
             down=mlp.down_proj,
             activation=getattr(mlp, "act_fn", None) or mlp.activation_fn,
             attention=attention,
-            sliding=sliding,
+            kind=kind,
+            softcap=getattr(attention, "attn_logit_softcapping", None),
         )
 
     @torch.inference_mode()
@@ -131,27 +147,48 @@ class FastDecoder:
         """Logits ``[tokens kept, vocab]`` of a packed pass; ``keep`` indexes the tokens (None: all)."""
         hidden = self.embed(input_ids)
         masks = additive(masks, hidden.dtype)
-        cos, sin = self._rotary(hidden, positions)
+        rotary = {
+            kind: self._rotary(hidden, positions, kind) for kind in {layer.kind for layer in self.layers}
+        }
         tokens = input_ids.shape[0]
         for index, layer in enumerate(self.layers):
-            mask = masks["sliding_attention" if layer.sliding else "full_attention"]
-            qkv = layer.qkv(_rms_norm(layer.input_norm, hidden))
-            query_key = self._rotate(_query_key(layer, qkv, tokens, self.head_dim), cos, sin)
+            mask = masks[layer.kind]
+            qkv = layer.qkv(_norm(layer.input_norm, hidden))
+            query_key = self._rotate(_query_key(layer, qkv, tokens, self.head_dim), *rotary[layer.kind])
             value = layer.qkv.split(qkv)[2].view(tokens, -1, self.head_dim)
             keys, values = cache.layers[index].write(query_key[:, layer.heads :], value)
             query = query_key[None, :, : layer.heads].transpose(1, 2)
+            options = {"scaling": self.scaling, "softcap": layer.softcap}
             if layout is None:
-                attended, _ = _attention(layer.attention, query, keys, values, mask, scaling=self.scaling)
+                attended, _ = self._attention(layer.attention, query, keys, values, mask, **options)
             else:
                 attended, _ = self.attend(
-                    layer.attention, query, keys, values, mask, scaling=self.scaling, packed_layout=layout
+                    layer.attention, query, keys, values, mask, packed_layout=layout, **options
                 )
-            hidden = hidden + layer.output(attended.reshape(tokens, -1))
-            gate, up = layer.gate_up.split(layer.gate_up(_rms_norm(layer.post_attention_norm, hidden)))
-            hidden = hidden + layer.down(layer.activation(gate) * up)
+            attended = layer.output(attended.reshape(tokens, -1))
+            hidden = hidden + (
+                attended if layer.attention_output_norm is None else layer.attention_output_norm(attended)
+            )
+            gate, up = layer.gate_up.split(layer.gate_up(_norm(layer.mlp_input_norm, hidden)))
+            mlp = layer.down(layer.activation(gate) * up)
+            hidden = hidden + (mlp if layer.mlp_output_norm is None else layer.mlp_output_norm(mlp))
         if keep is not None:
             hidden = hidden[keep]
-        return self.lm_head(_rms_norm(self.norm, hidden))
+        logits = self.lm_head(_norm(self.norm, hidden))
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def _attention(self, module, query, key, value, mask, scaling: float, softcap: float | None, **kwargs):
+        """``query`` (``[rows, heads, width, dim]``) on cache rows, grouped key/value heads read in
+        place; ``mask`` is additive. Returns ``[rows, width, heads, dim]``. Soft-capped scores (Gemma 2)
+        go through the family's eager attention."""
+        if softcap is not None:
+            return self.eager_attention(module, query, key, value, mask, scaling=scaling, softcap=softcap)
+        output = nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        )
+        return output.transpose(1, 2), None
 
     def _rotate(self, query_key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding of queries and keys together (``[tokens, heads, head_dim]``), with the
@@ -163,14 +200,24 @@ class FastDecoder:
         half = query_key.shape[-1] // 2
         return query_key * cos + torch.cat((-query_key[..., half:], query_key[..., :half]), dim=-1) * sin
 
-    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if getattr(self.rotary, "rope_type", "default") not in STATIC_ROPE_TYPES:
-            return self.rotary(hidden, positions[None])
+    def _rotary(
+        self, hidden: torch.Tensor, positions: torch.Tensor, kind: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at ``positions``, from a table grown by doubling (the model's own module)."""
+        extra = (kind,) if self.rotary_by_kind else ()
+        rope_type = getattr(self.rotary, "rope_type", "default")
+        if isinstance(rope_type, dict):  # one per layer type (Gemma 3)
+            rope_type = rope_type.get(kind, "default")
+        if rope_type not in STATIC_ROPE_TYPES:
+            return self.rotary(hidden, positions[None], *extra)
         needed = int(positions.max()) + 1
-        if self.rotary_table is None or self.rotary_table[0].shape[1] < needed:
-            size = max(needed, 2 * (0 if self.rotary_table is None else self.rotary_table[0].shape[1]), 1024)
-            self.rotary_table = self.rotary(hidden, torch.arange(size, device=hidden.device)[None])
-        cos, sin = self.rotary_table
+        table = self.rotary_tables.get(kind)
+        if table is None or table[0].shape[1] < needed:
+            size = max(needed, 2 * (0 if table is None else table[0].shape[1]), 1024)
+            table = self.rotary_tables[kind] = self.rotary(
+                hidden, torch.arange(size, device=hidden.device)[None], *extra
+            )
+        cos, sin = table
         return cos[:, positions], sin[:, positions]
 
 
@@ -183,33 +230,41 @@ def _query_key(layer: _Layer, qkv: torch.Tensor, tokens: int, head_dim: int) -> 
     query = qkv[:, query_start : query_start + query_size].view(tokens, -1, head_dim)
     key = qkv[:, key_start : key_start + key_size].view(tokens, -1, head_dim)
     if layer.query_norm is not None:
-        query, key = _rms_norm(layer.query_norm, query), _rms_norm(layer.key_norm, key)
+        query, key = _norm(layer.query_norm, query), _norm(layer.key_norm, key)
     return torch.cat((query, key), dim=1)
 
 
-def _rms_norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The family's RMSNorm (``weight * x / rms(x)``) as PyTorch's fused kernel."""
-    return nn.functional.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
+def _norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Llama's RMSNorm (``weight * x / rms(x)``, with ``variance_epsilon``) as PyTorch's fused kernel;
+    other norms (Gemma's ``(1 + weight)``) as the model's own module."""
+    epsilon = getattr(norm, "variance_epsilon", None)
+    if epsilon is None:
+        return norm(hidden)
+    return nn.functional.rms_norm(hidden, norm.weight.shape, norm.weight, epsilon)
+
+
+def _kinds(config) -> list[str]:
+    """Each layer's attention kind: its ``layer_types`` entry, or sliding everywhere where a window is
+    set without them (Mistral)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return list(layer_types[: config.num_hidden_layers])
+    kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    return [kind] * config.num_hidden_layers
 
 
 class _TiedEmbedding(nn.Module):
     """The input embedding read from the packed output layer it is tied to (one copy of the table)."""
 
-    def __init__(self, lm_head: PackedLinear):
+    def __init__(self, lm_head: PackedLinear, scale: torch.Tensor | None):
         super().__init__()
         self.lm_head = [lm_head]  # a list: not registered twice as a submodule
+        self.scale = scale
+        """Gemma multiplies embeddings by ``sqrt(hidden size)``, in the weights' dtype."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.lm_head[0].rows_of(tokens)
+        rows = self.lm_head[0].rows_of(tokens)
+        return rows if self.scale is None else rows * self.scale.to(rows.dtype)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self.lm_head[0].plain_weight()
-
-
-def _attention(module, query, key, value, mask, scaling: float, **kwargs):
-    """``query`` (``[rows, heads, width, dim]``) on cache rows, grouped key/value heads read in place;
-    ``mask`` is additive. Returns ``[rows, width, heads, dim]``."""
-    output = nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
-    )
-    return output.transpose(1, 2), None
