@@ -13,7 +13,7 @@ from reader_spec.budget.costs import (
     probed_batches,
     save_costs,
 )
-from reader_spec.budget.probe import probe_verify, time_interleaved
+from reader_spec.budget.probe import Floor, measure_floor, probe_verify, time_interleaved
 from reader_spec.engine.tree import EMPTY_PROPOSAL, chain_proposal
 
 # Shaped like this machine's measured batch-1 curve (seconds by draft tokens): 7 drafts, 8 tree
@@ -209,3 +209,22 @@ def test_total_draft_follows_the_batchs_spare_compute():
     # Long contexts make the pass dearer, the same drafts relatively cheaper: more of them pay.
     with_context = CostModel({PROBE_CONTEXT: {8: {0: 1.0, 64: 4.0}}, LONG_CONTEXT: {8: {0: 3.0, 16: 3.75}}})
     assert sum(allocate(proposals, with_context, 8, LONG_CONTEXT)) > sum(allocate(proposals, with_context, 8))
+
+
+def test_the_floor_counts_every_weight_once_packed_or_not():
+    from reader_spec.engine.decoder import FastDecoder
+    from tests.conftest import make_tiny_llama
+
+    model = make_tiny_llama()
+    parameters = sum(p.numel() for p in model.parameters())  # a tied matrix is one parameter
+    before = measure_floor(model, rounds=1)
+    FastDecoder(model)  # fused views of shared matrices, padded to whole blocks of 32 rows
+    after = measure_floor(model, rounds=1)
+    assert before.parameters == parameters and before.weight_bytes == 4 * parameters
+    assert parameters <= after.parameters <= 1.25 * parameters
+
+
+def test_the_floor_is_bandwidth_until_compute_takes_longer():
+    floor = Floor(weight_bytes=1_000, parameters=250, bytes_per_second=1_000.0, flops_per_second=5_000.0)
+    assert floor.seconds(1) == 1.0 and floor.seconds(10) == 1.0  # 2 x 250 x 10 / 5000 = 1
+    assert floor.seconds(20) == 2.0

@@ -93,10 +93,11 @@ class Floor:
 
 def measure_floor(model: PreTrainedModel, rounds: int = 5) -> Floor:
     """This machine's floor for ``model``'s passes (a few seconds of measuring)."""
-    unique = {p.untyped_storage().data_ptr(): p for p in model.parameters()}.values()
-    weight_bytes = sum(p.numel() * p.element_size() for p in unique)
-    parameters = sum(p.numel() for p in unique)
+    # Whole storages, each once: a packed model's projections are views of shared fused matrices.
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in model.parameters()}
+    weight_bytes = sum(storage.nbytes() for storage in storages.values())
     device, dtype = model.device, model.dtype
+    parameters = weight_bytes // (torch.finfo(dtype).bits // 8)
     synchronize = synchronizer(device)
     buffer = torch.ones(weight_bytes // torch.finfo(dtype).bits * 8, dtype=dtype, device=device)
     size = 2048
