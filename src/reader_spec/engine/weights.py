@@ -16,8 +16,11 @@ becomes a view of its rows.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
+import mmap
+import sys
 import time
 from collections.abc import Sequence
 
@@ -113,6 +116,8 @@ def pack_linears(
         if has_bias:
             bias = module.bias.detach() if module.bias is not None else weight.new_zeros(size)
             biases.append(torch.cat([bias, bias.new_zeros(room - size)]))
+        if blocked:
+            release_file_pages(weight)
         del module.weight, weight
     fused = weights[0] if len(weights) == 1 else torch.cat(weights)
     del weights
@@ -146,6 +151,56 @@ def _to_blocks(weight: torch.Tensor, rows: int) -> torch.Tensor:
     if rows != out_features:
         weight = torch.cat([weight, weight.new_zeros(rows - out_features, in_features)])
     return weight.view(rows // BLOCK, BLOCK, in_features).transpose(1, 2).contiguous()
+
+
+def release_file_pages(tensor: torch.Tensor) -> None:
+    """Drop a copied weight's pages from memory where they are mapped from a file.
+
+    transformers maps safetensors files: a weight is read from the file's pages, which stay resident
+    as long as any tensor of the file lives (every norm does). Packing copies each matrix, so without
+    this the process would hold the file's pages and the packed copy at once. Only whole pages inside
+    the tensor, of a mapping backed by a file, are dropped: the kernel reads them back from the file
+    if anything touches them again (weights are never written in place). Anywhere else (anonymous
+    memory, other systems) this does nothing.
+    """
+    if _madvise is None or tensor.device.type != "cpu":
+        return
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    if not any(low <= start and end <= high for low, high in _file_mappings()):
+        return
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, end // page * page
+    if last > first:
+        _madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
+
+
+MADV_DONTNEED = 4
+
+
+def _libc_madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+
+
+_madvise = _libc_madvise()
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """Address ranges of this process mapped from files (``/proc/self/maps``)."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) < 6 or not fields[5].startswith("/"):
+                continue
+            low, high = (int(part, 16) for part in fields[0].split("-"))
+            ranges.append((low, high))
+    return ranges
 
 
 _CHOICES: dict[tuple[int, int], dict[int, bool]] = {}
