@@ -132,5 +132,5 @@ def test_calibrate_prints_the_measured_curves(capsys, tiny_llama_dir):
     assert [row.split(":")[0] for row in rows] == ["batch   1", "batch   2"]
     assert "4: " in rows[1] and "4: " not in rows[0]  # each curve reaches its batch's whole budget
     floor = out[out.index("floor on this machine") :].splitlines()
-    assert "fast runner" in floor[0] and floor[1].startswith("batch 1, tokens in the pass")
+    assert "fast runner" in floor[0] and floor[1].startswith("tokens in a pass at batch 1")
     assert [cell.split(":")[0] for cell in floor[2].split("  ")] == ["1", "2", "3"]  # budget 2: 3 tokens

@@ -71,7 +71,7 @@ def _print_floor(engine: Engine, budget: int) -> None:
         f"of weights at {floor.bytes_per_second / 1e9:.1f} GB/s read, "
         f"{floor.parameters / 1e6:.1f}M parameters at {floor.flops_per_second / 1e9:.0f} GFLOP/s"
     )
-    print("batch 1, tokens in the pass: measured ms / floor ms (ratio)")
+    print("tokens in a pass at batch 1: measured ms / floor ms (ratio)")
     cells = []
     for tokens in range(1, budget + 2):
         measured, least = engine.costs.seconds(1, tokens - 1), floor.seconds(tokens)
