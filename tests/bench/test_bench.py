@@ -365,3 +365,17 @@ def test_cli_method_errors_come_before_loading(capsys, suite, methods, message):
     code = main(["bench", "--model", "/no/such/model", "--suite", str(suite), "--methods", methods])
     err = capsys.readouterr().err
     assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_engine_methods_pack_a_copy_and_ar_transformers_runs_the_model_as_loaded():
+    from reader_spec.engine.weights import PackedLinear
+    from tests.conftest import make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer()
+    loaded = LoadedModel(make_tiny_llama(), tokenizer, "tiny-llama", tokenizer_fingerprint(tokenizer))
+    report = run_bench(
+        loaded, QUESTIONS[:2], ["ar", "ar-transformers", "reader", "hf"], max_new_tokens=MAX_NEW
+    )
+    assert report.environment["runner"] == {"ar": "fast", "ar-transformers": "transformers", "reader": "fast"}
+    assert not any(isinstance(m, PackedLinear) for m in loaded.model.modules())  # hf's model untouched
+    assert all(p.identical for p in report.prompts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from reader_spec.cli import main
 
@@ -134,3 +135,37 @@ def test_calibrate_prints_the_measured_curves(capsys, tiny_llama_dir):
     floor = out[out.index("floor on this machine") :].splitlines()
     assert "fast runner" in floor[0] and floor[1].startswith("tokens in a pass at batch 1")
     assert [cell.split(":")[0] for cell in floor[2].split("  ")] == ["1", "2", "3"]  # budget 2: 3 tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2_dir(tmp_path_factory):
+    """An architecture the fast runner does not know."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from tests.conftest import TINY_VOCAB, make_tiny_tokenizer
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=TINY_VOCAB, n_embd=32, n_layer=2, n_head=2, eos_token_id=1, bos_token_id=0)
+    directory = tmp_path_factory.mktemp("tiny-gpt2")
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    make_tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
+def test_runner_fast_refuses_an_unknown_architecture_and_auto_falls_back(capsys, tiny_gpt2_dir):
+    argv = ["generate", "--model", str(tiny_gpt2_dir), "--prompt", "w3 w4 w5", "--max-new-tokens", "4"]
+    code, out, err = run(capsys, *argv, "--runner", "fast")
+    assert code == 2 and not out
+    assert "the fast runner does not support GPT2LMHeadModel" in err and err.count("\n") == 1
+    code, out, _ = run(capsys, *argv, "--runner", "auto", "--compare", "--json")
+    assert code == 0 and json.loads(out)["summary"]["identical"] == 1
+
+
+def test_both_runners_give_the_same_output(capsys, tiny_llama_dir):
+    argv = ["generate", "--model", str(tiny_llama_dir), "--prompt", "w3 w4 w5 w3 w4", "--max-new-tokens", "8"]
+    outputs = []
+    for runner in ("fast", "transformers"):
+        code, out, _ = run(capsys, *argv, "--runner", runner, "--json")
+        assert code == 0
+        outputs.append(json.loads(out)["requests"][0]["tokens"])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 8

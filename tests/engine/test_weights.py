@@ -106,3 +106,25 @@ def test_weights_in_anonymous_memory_are_left_alone():
     values = torch.arange(8 * 2**20, dtype=torch.float32)
     weights.release_file_pages(values)
     assert torch.equal(values, torch.arange(8 * 2**20, dtype=torch.float32))
+
+
+def test_without_a_compiler_the_runner_says_so_and_uses_pytorch(monkeypatch, caplog):
+    import torch.utils.cpp_extension
+
+    def no_compiler(**kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    kernels.available.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="reader_spec"):
+            assert not kernels.available()
+        assert "could not be built (no C++ compiler)" in caplog.text
+        monkeypatch.setattr(weights, "_CHOICES", {})
+        module = linear(64, 40, bias=True, seed=5)
+        reference = module.weight.clone(), module.bias.clone()
+        packed, _ = pack_linears([module])
+        x = torch.randn(3, 40)
+        assert torch.allclose(packed(x), nn.functional.linear(x, *reference), rtol=0, atol=TOL)
+    finally:
+        kernels.available.cache_clear()  # the next caller loads the real kernel again

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from reader_spec.engine.runner import ModelRunner, synchronizer, text_config
+from reader_spec.engine.runner import ModelRunner, max_context_of, synchronizer, text_config
 from reader_spec.engine.tree import DraftTree
 
 PROBE_SEED = 0
@@ -28,6 +28,9 @@ def probe_verify(
     """Seconds of a packed verification pass of ``batch`` chains holding each total of draft tokens
     (spread evenly), after ``context`` tokens in every row, on the given runner."""
     most = max(drafted)
+    positions = max_context_of(model.config)
+    if positions is not None:  # a model with few positions (GPT-2: 1,024) is probed at its longest
+        context = max(1, min(context, positions - most // batch - 2))
     probe = ModelRunner(model, batch, context + most // batch + 2, runner)
     generator = torch.Generator().manual_seed(PROBE_SEED)
     vocab = text_config(model.config).vocab_size
