@@ -23,8 +23,8 @@ def add_model_option(parser: argparse.ArgumentParser, runner: bool = True) -> No
             "--runner",
             choices=RUNNERS,
             default="auto",
-            help="the model's forward: fast (the engine's decoder for Llama, Mistral, Qwen2/3, Phi-3), "
-            "transformers (the model's own), auto (fast where supported; default)",
+            help="the model's forward: fast (the engine's decoder for Llama, Mistral, Qwen2/3, Phi-3, "
+            "Gemma 2/3), transformers (the model's own), auto (fast where supported; default)",
         )
 
 
