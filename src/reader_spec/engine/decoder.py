@@ -3,10 +3,12 @@
 transformers' forward is general: per call it builds masks and rotary tables, dispatches through
 hooks, attention interfaces and cache objects, and multiplies each projection separately through
 ``F.linear``. A verification pass needs none of that generality. :class:`FastDecoder` runs the same
-arithmetic on the same modules (norms, activations, rotary embedding and ``apply_rotary_pos_emb``
-come from the model's own code, so family quirks stay the family's) with what the engine needs:
-fused and packed projections (:mod:`reader_spec.engine.weights`), rotary tables computed once, cache
-rows written in place, packed attention over the batch's rows, and logits only where asked.
+arithmetic on the same modules (activations, Gemma's norms, the rotary embedding, partial rotations
+and soft-capped attention come from the model's own code, so family quirks stay the family's; the
+Llama-style RMSNorm, one formula in every family that has it, is PyTorch's fused kernel) with what the
+engine needs: fused and packed projections (:mod:`reader_spec.engine.weights`), rotary tables
+computed once, cache rows written in place, packed attention over the batch's rows, and logits only
+where asked.
 
 Llama and Mistral, Qwen2 and Qwen3 (per-head query/key norms), Phi-3 (already fused projections) and
 Gemma 2 and 3 (norms around attention and MLP, scaled embeddings, soft-capping, a rotary table per
@@ -36,6 +38,7 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def supports(model: PreTrainedModel) -> bool:
+    """Whether the fast decoder runs this model (a causal LM of a family it knows)."""
     config = model.config
     return (
         config.model_type in FAST_FAMILIES
