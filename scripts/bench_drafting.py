@@ -24,7 +24,7 @@ from reader_spec.drafters import DRAFTERS
 
 
 def run(drafter_name: str, batch: int, context: int, steps: int, budget: int, seed: int) -> dict[str, float]:
-    drafter = DRAFTERS[drafter_name].build(None)
+    drafter = DRAFTERS[drafter_name].build(None, None)
     spec_budget = DRAFTERS[drafter_name].budget or budget
     rng = random.Random(seed)
     streams = [phrase_stream(random.Random(rng.random())) for _ in range(batch)]
@@ -57,7 +57,12 @@ def run(drafter_name: str, batch: int, context: int, steps: int, budget: int, se
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--drafters", nargs="+", default=["pld", "suffix", "reader"], choices=list(DRAFTERS))
+    parser.add_argument(
+        "--drafters",
+        nargs="+",
+        default=["pld", "suffix", "reader"],
+        choices=[n for n, s in DRAFTERS.items() if not s.needs_draft_model],
+    )
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--contexts", nargs="+", type=int, default=[1000, 8000, 64000])
     parser.add_argument("--steps", type=int, default=100)

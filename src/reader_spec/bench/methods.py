@@ -151,7 +151,7 @@ def engine_method(drafter: DrafterSpec | None = None, runner: str | None = None)
             return EngineMethod(Engine(loaded, runner=chosen), setup.sampling)
 
         def new_drafter() -> Drafter:
-            return drafter.build(setup.datastore)
+            return drafter.build(setup.datastore, setup.draft)
 
         engine = Engine(
             loaded,
@@ -162,7 +162,7 @@ def engine_method(drafter: DrafterSpec | None = None, runner: str | None = None)
         )
         return EngineMethod(engine, setup.sampling, new_drafter)
 
-    return MethodSpec(build)
+    return MethodSpec(build, needs_draft=drafter is not None and drafter.needs_draft_model)
 
 
 class HFMethod:

@@ -13,6 +13,7 @@ from typing import get_args
 
 from reader_spec.cli.common import add_model_option, add_sampling_options, names, sampling_settings
 from reader_spec.config import GenerationConfig
+from reader_spec.drafters.model import load_draft_model
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.engine.loop import DEFAULT_BUDGET
 from reader_spec.loading import load_model
@@ -30,7 +31,10 @@ def add_parser(commands) -> None:
     )
     add_model_option(bench)
     bench.add_argument(
-        "--draft-model", help="draft model for hf-assisted (hub id, directory or .gguf); enables hf-assisted"
+        "--draft-model",
+        metavar="self|MODEL",
+        help="draft model for model, reader-model, rasd and hf-assisted: self (the target's weights in int8) "
+        "or a hub id, directory or .gguf with the target's tokenizer; enables those methods",
     )
     bench.add_argument(
         "--suite", help="JSONL with question_id, category, turns (default: Spec-Bench, shipped)"
@@ -50,8 +54,9 @@ def add_parser(commands) -> None:
         "--methods",
         nargs="+",
         type=names,
-        help="decoding methods to compare (default: all; hf-assisted only with --draft-model; an unknown "
-        "name lists the choices); with --replay, drafters (default: pld, suffix, reader)",
+        help="decoding methods to compare (default: all; those that draft with a model only with "
+        "--draft-model; an unknown name lists the choices); with --replay, drafters (default: pld, suffix, "
+        "reader)",
     )
     bench.add_argument(
         "--batch-sizes", nargs="+", type=int, default=[1], help="1: per-prompt figures; above 1: throughput"
@@ -90,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     questions = by_id_parity(load_questions(args.suite), args.question_ids)
     questions = per_category(questions, args.limit, categories)
     loaded = load_model(args.model)
-    draft = load_model(args.draft_model) if args.draft_model else None
+    draft = load_draft_model(args.draft_model, loaded) if args.draft_model else None
     datastore = Datastore.open(args.datastore, fingerprint=loaded.fingerprint) if args.datastore else None
     # Every method must draw the same randomness for outputs to compare: a seed is always set.
     sampling = GenerationConfig(**{**sampling_settings(args), "seed": args.seed or 0})
@@ -121,16 +126,20 @@ def _bench_replay(args: argparse.Namespace) -> int:
     from reader_spec.loading import load_tokenizer
 
     methods = [m for group in args.methods or [list(METHODS)] for m in group]
+    replayable = [name for name, spec in DRAFTERS.items() if not spec.needs_draft_model]
     unknown = sorted(set(methods) - set(DRAFTERS))
     if unknown:
-        raise ValueError(f"unknown replay method {', '.join(unknown)}; choose from {', '.join(DRAFTERS)}")
+        raise ValueError(f"unknown replay method {', '.join(unknown)}; choose from {', '.join(replayable)}")
+    with_model = sorted(set(methods) - set(replayable))
+    if with_model:
+        raise ValueError(f"replay runs no model, so it cannot replay {', '.join(with_model)}")
     if args.budget < 1 or (args.limit is not None and args.limit < 1):
         raise ValueError("--budget and --limit must be positive")
     loaded = load_tokenizer(args.model)
     conversations = load_conversations(
         args.replay, loaded.tokenizer, loaded.fingerprint, cache_root() / "replay"
     )[: args.limit]
-    drafters = {m: DRAFTERS[m].build(None) for m in dict.fromkeys(methods)}
+    drafters = {m: DRAFTERS[m].build(None, None) for m in dict.fromkeys(methods)}
     settings = {"file": str(args.replay), "model": loaded.name}
     report = run_replay(conversations, drafters, args.budget, settings=settings)
     print(report.markdown())

@@ -36,6 +36,25 @@ class Drafter(Protocol):
         """Forget a finished request."""
 
 
+def propose_all(
+    drafter: Drafter,
+    requests: Sequence[Hashable],
+    max_nodes: int,
+    verify_seconds: Sequence[float] | None = None,
+) -> list[Proposal]:
+    """Every request's proposal for one step.
+
+    Drafters that draft a batch together (a draft model runs one pass per level for all sequences)
+    define ``propose_batch(requests, max_nodes, verify_seconds)``, where ``verify_seconds[n]`` is
+    what verifying ``n`` draft tokens over the whole batch costs this step (None: not priced), so
+    that they can weigh their own passes against it; the others propose one request at a time.
+    """
+    batched = getattr(drafter, "propose_batch", None)
+    if batched is not None:
+        return batched(requests, max_nodes, verify_seconds)
+    return [drafter.propose(request, max_nodes) for request in requests]
+
+
 def feed_back(
     drafter: Drafter, request: Hashable, proposal: Proposal, path: Sequence[int], emitted: Sequence[int]
 ) -> None:

@@ -124,19 +124,26 @@ def visibility(
 ) -> dict[str, torch.Tensor]:
     """Which keys each new token sees, ``(batch, 1, width, kv_length)`` booleans per layer type.
 
-    New tokens are written after each row's context: token i of row b sees the row's committed
-    context and the new tokens ``local_masks[b][i]`` marks. ``positions`` are the new tokens' position
-    ids, padded to the widest tree. Rows past a tree's own tokens are padding: an attention group
-    that pads its trees computes them and discards the result; they see key 0, so no row is empty.
+    New tokens are written after each row's context. ``local_masks[b]`` is ``[new, earlier + new]``:
+    token i of row b sees what its row ``i`` marks among the row's last ``earlier`` cached tokens and
+    its new tokens, and the whole context before those (``earlier`` is 0 for a verified tree; a draft
+    model growing a tree level by level masks the levels it cached before). ``positions`` are the new
+    tokens' position ids, padded to the widest tree. Rows past a tree's own tokens are padding: an
+    attention group that pads its trees computes them and discards the result; they see key 0, so no
+    row is empty. Under a sliding window, masked earlier tokens count at their cache index (drafts
+    only: verified trees have none).
     """
     batch, width = positions.shape
     widths = torch.tensor([local.shape[0] for local in local_masks])
-    local = torch.zeros(batch, width, width, dtype=torch.bool)
+    earlier = torch.tensor([local.shape[1] - local.shape[0] for local in local_masks])
+    span = int(earlier.max()) + width
+    local = torch.zeros(batch, width, span, dtype=torch.bool)
     for b, tree in enumerate(local_masks):
-        local[b, : tree.shape[0], : tree.shape[0]] = tree
-    offset = torch.arange(kv_length)[None] - lengths[:, None]  # key index relative to the new tokens
-    inside = (offset >= 0) & (offset < width)
-    index = offset.clamp(0, width - 1)
+        local[b, : tree.shape[0], : tree.shape[1]] = tree
+    start = lengths - earlier  # the first key a local mask covers
+    offset = torch.arange(kv_length)[None] - start[:, None]  # key index relative to that
+    inside = (offset >= 0) & (offset < span)
+    index = offset.clamp(0, span - 1)
     sees_tree = local.gather(2, index[:, None].expand(batch, width, kv_length)) & inside[:, None]
     allowed = (offset < 0)[:, None] | sees_tree
     padding = (torch.arange(width)[None] >= widths[:, None])[..., None]
@@ -144,7 +151,11 @@ def visibility(
     allowed = torch.where(padding, first_key, allowed)
     masks = {"full_attention": allowed[:, None]}
     if sliding_window is not None:
-        key_positions = torch.where(inside, positions.gather(1, index), torch.arange(kv_length)[None])
+        new = offset - earlier[:, None]  # key index relative to the new tokens
+        is_new = (new >= 0) & (new < width)
+        key_positions = torch.where(
+            is_new, positions.gather(1, new.clamp(0, width - 1)), torch.arange(kv_length)[None]
+        )
         distance = positions[:, :, None] - key_positions[:, None, :]
         masks["sliding_attention"] = (allowed & (distance < sliding_window))[:, None]
     return masks

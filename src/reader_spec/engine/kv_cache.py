@@ -62,15 +62,16 @@ class _RaggedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.owner.capacity
 
-    def grow(self, capacity: int) -> None:
+    def grow(self, num_rows: int, capacity: int) -> None:
         if self.keys is not None:
-            self.keys = _pad_time(self.keys, capacity)
-            self.values = _pad_time(self.values, capacity)
+            self.keys = _padded(self.keys, num_rows, capacity)
+            self.values = _padded(self.values, num_rows, capacity)
 
 
-def _pad_time(buffer: torch.Tensor, capacity: int) -> torch.Tensor:
-    grown = buffer.new_zeros((*buffer.shape[:2], capacity, buffer.shape[3]))
-    grown[:, :, : buffer.shape[2]] = buffer
+def _padded(buffer: torch.Tensor, num_rows: int, capacity: int) -> torch.Tensor:
+    """``buffer`` (``[rows, heads, capacity, dim]``) in a larger zeroed one."""
+    grown = buffer.new_zeros((num_rows, buffer.shape[1], capacity, buffer.shape[3]))
+    grown[: buffer.shape[0], :, : buffer.shape[2]] = buffer
     return grown
 
 
@@ -126,7 +127,18 @@ class RaggedKVCache(Cache):
             return
         self.capacity = max(capacity, 2 * self.capacity)
         for layer in self.layers:
-            layer.grow(self.capacity)
+            layer.grow(self.num_rows, self.capacity)
+
+    def add_rows(self, num_rows: int) -> None:
+        """Grow to ``num_rows`` rows, keeping every row's entries (a copy of the buffers: for
+        owners whose number of sequences is not known up front, such as a draft model's cache)."""
+        if num_rows <= self.num_rows:
+            return
+        with torch.inference_mode():
+            for layer in self.layers:
+                layer.grow(num_rows, self.capacity)
+        self.lengths = torch.cat([self.lengths, self.lengths.new_zeros(num_rows - self.num_rows)])
+        self.num_rows = num_rows
 
     # --- after verification ----------------------------------------------------------------------
     @torch.inference_mode()

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from reader_spec.budget.allocation import allocate
 from reader_spec.budget.costs import CostModel, cost_cache_path, load_costs
 from reader_spec.config import GenerationConfig
-from reader_spec.drafters.base import Drafter, feed_back
+from reader_spec.drafters.base import Drafter, feed_back, propose_all
 from reader_spec.engine.acceptance import rule_for
 from reader_spec.engine.runner import ModelRunner, max_context_of, synchronizer
 from reader_spec.engine.scheduler import Request, Scheduler
@@ -82,6 +82,9 @@ class Engine:
             raise ValueError(f"budget must be >= 0, got {budget}")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        check_target = getattr(drafter, "check_target", None)
+        if check_target is not None:  # a draft model must share the target's tokenizer
+            check_target(loaded)
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -249,13 +252,15 @@ class Engine:
         """Each sequence's proposal, cut to the share of the step's budget the allocation gives it."""
         started = time.perf_counter()
         if self.budget > 0:
-            proposals = [self.drafter.propose(s.key, self.budget) for s in batch]
+            keys = [s.key for s in batch]
             if self.adaptive_budget:
                 context = float(runner.cache.lengths[[s.row for s in batch]].float().mean())
+                verify_seconds = self.costs.table(len(batch), len(batch) * self.budget, context)
+                proposals = propose_all(self.drafter, keys, self.budget, verify_seconds)
                 counts = allocate(proposals, self.costs, self.budget, context)
                 proposals = [p.truncated(n) for p, n in zip(proposals, counts, strict=True)]
             else:
-                proposals = [p.truncated(self.budget) for p in proposals]
+                proposals = [p.truncated(self.budget) for p in propose_all(self.drafter, keys, self.budget)]
         else:
             proposals = [EMPTY_PROPOSAL] * len(batch)
         trees = [DraftTree.from_proposal(s.tokens[-1], p) for s, p in zip(batch, proposals, strict=True)]

@@ -11,6 +11,7 @@ transformers' forward gets additive 4D masks and the cache as a ``Cache`` object
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -106,10 +107,30 @@ class ModelRunner:
 
     def _verify(self, trees: Sequence[DraftTree], rows: list[int]) -> list[torch.Tensor]:
         lengths = self.cache.lengths[rows]
-        input_ids = torch.tensor([token for tree in trees for token in tree.tokens])
-        positions = torch.cat([lengths[b] + torch.tensor(tree.depths) for b, tree in enumerate(trees)])
-        logits = self._forward(rows, input_ids, positions, [t.ancestor_mask() for t in trees], keep=None)
-        return list(logits.split([len(tree) for tree in trees]))
+        tokens = [tree.tokens for tree in trees]
+        positions = [lengths[b] + torch.tensor(tree.depths) for b, tree in enumerate(trees)]
+        return self.extend(rows, tokens, positions, [t.ancestor_mask() for t in trees])
+
+    @torch.inference_mode()
+    def extend(
+        self,
+        rows: list[int],
+        tokens: Sequence[Sequence[int]],
+        positions: Sequence[torch.Tensor],
+        local_masks: Sequence[torch.Tensor],
+        last_only: bool = False,
+    ) -> list[torch.Tensor]:
+        """One packed pass of new tokens per cache row (``rows`` ascending), written past each row's
+        committed length; returns each row's logits (its last token's only with ``last_only``).
+
+        ``local_masks[i]`` is ``[new, earlier + new]``: what each new token sees among the row's last
+        ``earlier`` committed tokens and the new ones (:func:`visibility`); everything before is context.
+        """
+        widths = [len(t) for t in tokens]
+        input_ids = torch.tensor([token for row_tokens in tokens for token in row_tokens])
+        keep = torch.tensor(list(itertools.accumulate(widths))) - 1 if last_only else None
+        logits = self._forward(rows, input_ids, torch.cat(list(positions)), local_masks, keep)
+        return list(logits.split([1] * len(rows) if last_only else widths))
 
     @torch.inference_mode()
     def prefill(self, row: int, tokens: Sequence[int]) -> None:

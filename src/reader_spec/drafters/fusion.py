@@ -1,0 +1,173 @@
+"""A retrieval tree and a draft model's tree as one draft, fused the ways READER and RASD describe.
+
+Both fusions merge trees by longest-prefix matching: a path both trees hold becomes one node, whose
+probability is the higher of their calibrated estimates (each is calibrated on its own, so agreement
+is not taken as independent evidence), labelled with that tree's source. Nodes are then ranked by
+probability, parents first, and the engine's budget cuts the list.
+
+- ``reader`` (READER): the draft model's tree grown with every retrieval branch; the draft model
+  runs only in steps where its expected accepted tokens pay for its passes beside the retrieval tree
+  (a long, sure match may fill the tree alone).
+- ``rasd`` (RASD): the draft model runs every step; a retrieval branch is kept only when the draft
+  model finds its first token plausible (among its ``rasd_top_k`` likeliest, with probability at
+  least ``rasd_min_prob``), then the trees are merged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from reader_spec.drafters.model.drafter import ModelDrafter
+from reader_spec.drafters.reader import ReaderDrafter
+from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
+
+FUSIONS = ("reader", "rasd")
+RASD_TOP_K = 8
+RASD_MIN_PROB = 0.0
+
+
+def merge_proposals(proposals: Sequence[Proposal]) -> Proposal:
+    """The union of the proposals' trees by token path, ranked by the best estimate of each path.
+
+    Each proposal's path probabilities fall along its paths, so the maxima do too and ranking by
+    them (depth breaking ties) keeps every parent before its children.
+    """
+    paths: dict[tuple[int, ...], tuple[float, str]] = {}
+    for proposal in proposals:
+        node_paths: list[tuple[int, ...]] = []
+        for token, parent, prob, source in zip(
+            proposal.tokens,
+            proposal.parents,
+            proposal.probs,
+            proposal.sources or ("",) * len(proposal),
+            strict=True,
+        ):
+            path = (*node_paths[parent], token) if parent >= 0 else (token,)
+            node_paths.append(path)
+            if path not in paths or prob > paths[path][0]:
+                paths[path] = (prob, source)
+    if not paths:
+        return EMPTY_PROPOSAL
+    ranked = sorted(paths, key=lambda path: (-paths[path][0], len(path)))
+    index = {path: i for i, path in enumerate(ranked)}
+    return Proposal(
+        tuple(path[-1] for path in ranked),
+        tuple(index[path[:-1]] if len(path) > 1 else -1 for path in ranked),
+        tuple(paths[path][0] for path in ranked),
+        tuple(paths[path][1] for path in ranked),
+    )
+
+
+def prune_branches(proposal: Proposal, keep_first: set[int]) -> Proposal:
+    """``proposal`` without the branches whose first token is not in ``keep_first``."""
+    kept: list[int] = []
+    index: dict[int, int] = {}
+    for node, (token, parent) in enumerate(zip(proposal.tokens, proposal.parents, strict=True)):
+        if (parent < 0 and token in keep_first) or parent in index:
+            index[node] = len(kept)
+            kept.append(node)
+    return Proposal(
+        tuple(proposal.tokens[n] for n in kept),
+        tuple(index[proposal.parents[n]] if proposal.parents[n] >= 0 else -1 for n in kept),
+        tuple(proposal.probs[n] for n in kept),
+        tuple(proposal.sources[n] for n in kept) if proposal.sources else (),
+    )
+
+
+def sub_feedback(part: Proposal, fused: Proposal, accepted: Sequence[int]) -> tuple[Proposal, list[int]]:
+    """What a fused verification says about one part: its longest prefix that was verified (every
+    node of it in ``fused``) and the accepted nodes among it."""
+    fused_paths = _paths(fused)
+    position = {path: i for i, path in enumerate(fused_paths)}
+    part_paths = _paths(part)
+    verified = 0
+    while verified < len(part) and part_paths[verified] in position:
+        verified += 1
+    accepted_paths = {fused_paths[node] for node in accepted}
+    hits = [i for i in range(verified) if part_paths[i] in accepted_paths]
+    return part.truncated(verified), hits
+
+
+def _paths(proposal: Proposal) -> list[tuple[int, ...]]:
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(proposal.tokens, proposal.parents, strict=True):
+        paths.append((*paths[parent], token) if parent >= 0 else (token,))
+    return paths
+
+
+class FusedDrafter:
+    """A :class:`ReaderDrafter` and a :class:`ModelDrafter` as one ``Drafter`` (``mode``: ``reader``
+    or ``rasd``, see the module)."""
+
+    def __init__(
+        self,
+        retrieval: ReaderDrafter,
+        model: ModelDrafter,
+        mode: str = "reader",
+        *,
+        rasd_top_k: int = RASD_TOP_K,
+        rasd_min_prob: float = RASD_MIN_PROB,
+    ) -> None:
+        if mode not in FUSIONS:
+            raise ValueError(f"fusion must be one of {', '.join(FUSIONS)}, got {mode!r}")
+        self.retrieval = retrieval
+        self.model = model
+        self.mode = mode
+        self.rasd_top_k = rasd_top_k
+        self.rasd_min_prob = rasd_min_prob
+        self._parts: dict[Hashable, tuple[Proposal, Proposal, Proposal]] = {}
+
+    def check_target(self, target) -> None:
+        self.model.check_target(target)
+
+    def begin(self, request: Hashable, prompt: Sequence[int]) -> None:
+        self.retrieval.begin(request, prompt)
+        self.model.begin(request, prompt)
+
+    def extend(self, request: Hashable, tokens: Sequence[int]) -> None:
+        self.retrieval.extend(request, tokens)
+        self.model.extend(request, tokens)
+
+    def end(self, request: Hashable) -> None:
+        self._parts.pop(request, None)
+        self.retrieval.end(request)
+        self.model.end(request)
+
+    def propose(self, request: Hashable, max_nodes: int) -> Proposal:
+        return self.propose_batch([request], max_nodes)[0]
+
+    def propose_batch(
+        self, requests: Sequence[Hashable], max_nodes: int, verify_seconds: Sequence[float] | None = None
+    ) -> list[Proposal]:
+        retrieved = [self.retrieval.propose(request, max_nodes) for request in requests]
+        if self.mode == "reader":
+            drafted = self.model.propose_batch(requests, max_nodes, verify_seconds, alongside=retrieved)
+            kept = retrieved
+        else:
+            drafted = self.model.propose_batch(requests, max_nodes)
+            kept = [self._prune(request, p) for request, p in zip(requests, retrieved, strict=True)]
+        fused = []
+        for request, *parts in zip(requests, kept, retrieved, drafted, strict=True):
+            merged = merge_proposals([parts[2], parts[0]]).truncated(max_nodes)
+            self._parts[request] = (merged, parts[1], parts[2])  # feedback goes to what each proposed
+            fused.append(merged)
+        return fused
+
+    def _prune(self, request: Hashable, proposal: Proposal) -> Proposal:
+        distribution = self.model.root_distributions.get(request)
+        if distribution is None or not proposal:
+            return proposal
+        probs, tokens = distribution.topk(self.rasd_top_k)
+        plausible = {
+            t for t, p in zip(tokens.tolist(), probs.tolist(), strict=True) if p >= self.rasd_min_prob
+        }
+        return prune_branches(proposal, plausible)
+
+    def observe(self, request: Hashable, proposal: Proposal, accepted: Sequence[int]) -> None:
+        """Each part learns from the nodes of its own tree that were verified."""
+        parts = self._parts.pop(request, None)
+        if parts is None or proposal != parts[0].truncated(len(proposal)):
+            return
+        for drafter, part in ((self.retrieval, parts[1]), (self.model, parts[2])):
+            verified, hits = sub_feedback(part, proposal, accepted)
+            drafter.observe(request, verified, hits)

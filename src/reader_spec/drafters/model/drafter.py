@@ -1,0 +1,426 @@
+"""A draft model's tree, grown EAGLE-2's way for a whole batch at once on the engine's runner.
+
+Each step starts with one batched pass that feeds the draft model what every request emitted since
+its last step (its cache keeps exactly the requests' text, so a step's catch-up is one or a few
+tokens) and gives the distribution after the root. The tree then grows level by level: each level
+expands, per sequence, the frontier nodes of highest path probability in one batched pass (a node
+sees its request's text and its own ancestors among the levels cached before it), and each expanded
+node gets its likeliest children. After the last level every node generated is ranked by path
+probability and the best fill the proposal; the levels' cache entries are dropped (the next
+catch-up writes the accepted tokens as text).
+
+Path probabilities are products of the draft model's next-token probabilities, each mapped through
+an online calibration against real acceptances (a draft model's confidence is not the target's
+agreement). Growing a level costs a draft pass: with the verification costs the engine gives, a
+level runs only when its expected accepted tokens per second beat the step's without it, and a
+fused drafter can skip the draft model for a step where retrieval alone already pays best.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from bisect import bisect_right
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from reader_spec.engine.runner import ModelRunner, synchronizer
+from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
+from reader_spec.loading import LoadedModel
+
+MODEL_SOURCE = "model"
+"""The source label of the draft model's nodes."""
+
+INITIAL_ROWS = 4
+INITIAL_CAPACITY = 256
+
+
+class ProbabilityCalibrator:
+    """How often a child the draft model proposes with probability q is accepted, learned online.
+
+    Buckets of q, each a Beta-Binomial posterior mean whose prior is the bucket's own q (a perfectly
+    calibrated draft model needs no data); verification outcomes move it where the draft model is
+    over- or under-confident about the target.
+    """
+
+    BOUNDS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
+
+    def __init__(self, prior_strength: float = 8.0) -> None:
+        uppers = (*self.BOUNDS[1:], 1.0)
+        means = [(low + high) / 2 for low, high in zip(self.BOUNDS, uppers, strict=True)]
+        self._hits = [m * prior_strength for m in means]
+        self._trials = [prior_strength] * len(means)
+
+    def _bucket(self, q: float) -> int:
+        return bisect_right(self.BOUNDS, q) - 1
+
+    def __call__(self, q: float) -> float:
+        b = self._bucket(q)
+        return self._hits[b] / self._trials[b]
+
+    def update(self, q: float, hit: bool) -> None:
+        b = self._bucket(q)
+        self._hits[b] += hit
+        self._trials[b] += 1.0
+
+
+@dataclass
+class PassTimer:
+    """Seconds of a draft pass by its number of tokens, learned from the passes run (a running
+    mean per count, interpolated between counts); None until a pass was timed."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    def record(self, tokens: int, seconds: float) -> None:
+        old = self.seconds.get(tokens)
+        self.seconds[tokens] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def __call__(self, tokens: int) -> float | None:
+        if not self.seconds:
+            return None
+        known = sorted(self.seconds)
+        below = [k for k in known if k <= tokens]
+        above = [k for k in known if k >= tokens]
+        if not below:
+            return self.seconds[known[0]]
+        if not above:
+            return (
+                self.seconds[known[-1]] * tokens / known[-1]
+                if tokens > 2 * known[-1]
+                else self.seconds[known[-1]]
+            )
+        lo, hi = below[-1], above[0]
+        if lo == hi:
+            return self.seconds[lo]
+        return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (tokens - lo) / (hi - lo)
+
+
+@dataclass
+class _Tree:
+    """One sequence's tree while it grows: node 0 is the root (the request's last token)."""
+
+    tokens: list[int] = field(default_factory=lambda: [-1])
+    parents: list[int] = field(default_factory=lambda: [-1])
+    depths: list[int] = field(default_factory=lambda: [0])
+    probs: list[float] = field(default_factory=lambda: [1.0])
+    """Calibrated path probabilities."""
+    raw: list[float] = field(default_factory=lambda: [1.0])
+    """The draft model's own probability of each node given its parent (what calibration buckets)."""
+    frontier: list[int] = field(default_factory=list)
+    cached: list[int] = field(default_factory=list)
+    """Nodes whose keys and values sit in the cache after the text, in the order written."""
+
+    def add_children(self, parent: int, probs: torch.Tensor, tokens: torch.Tensor, calibrate) -> None:
+        for q, token in zip(probs.tolist(), tokens.tolist(), strict=True):
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.depths.append(self.depths[parent] + 1)
+            self.raw.append(q)
+            self.probs.append(self.probs[parent] * calibrate(q))
+            self.frontier.append(len(self.tokens) - 1)
+
+    def proposal(self, max_nodes: int) -> tuple[Proposal, tuple[float, ...]]:
+        """The ``max_nodes`` likeliest nodes, parents first, and their raw probabilities."""
+        ranked = sorted(range(1, len(self.tokens)), key=lambda n: (-self.probs[n], self.depths[n], n))
+        kept = ranked[:max_nodes]
+        index = {node: i for i, node in enumerate(kept)}
+        proposal = Proposal(
+            tuple(self.tokens[n] for n in kept),
+            tuple(index[self.parents[n]] if self.parents[n] else -1 for n in kept),
+            tuple(self.probs[n] for n in kept),
+            (MODEL_SOURCE,) * len(kept),
+        )
+        return proposal, tuple(self.raw[n] for n in kept)
+
+
+@dataclass
+class _Request:
+    row: int
+    text: list[int]
+    cached: int = 0
+    """Tokens of ``text`` in the draft model's cache."""
+    pending: tuple[Proposal, tuple[float, ...]] | None = None
+
+
+class ModelDrafter:
+    """Drafts with a causal LM sharing the target's tokenizer; implements ``Drafter`` and drafts a
+    batch in one call (``propose_batch``).
+
+    Per level, the ``expand`` frontier nodes of highest path probability of each sequence get their
+    ``branching`` likeliest children, for up to ``max_depth`` levels. With verification costs
+    (``propose_batch``'s ``verify_seconds``), levels stop when the next would not pay for its pass.
+    """
+
+    def __init__(
+        self,
+        draft: LoadedModel,
+        *,
+        branching: int = 4,
+        expand: int = 4,
+        max_depth: int = 8,
+        runner: str = "auto",
+    ) -> None:
+        if branching < 1 or expand < 1 or max_depth < 1:
+            raise ValueError("branching, expand and max_depth must be at least 1")
+        self.draft = draft
+        self.branching = branching
+        self.expand = expand
+        self.max_depth = max_depth
+        self.runner_kind = runner
+        self.calibrate = ProbabilityCalibrator()
+        self.pass_seconds = PassTimer()
+        self._first_child = 0.5
+        """Running mean of the calibrated probability of each step's likeliest first draft token."""
+        self.root_distributions: dict[Hashable, torch.Tensor] = {}
+        """The draft model's next-token probabilities at each request's root, from its last step
+        (RASD prunes retrieval branches with them)."""
+        self._runner: ModelRunner | None = None
+        self._free_rows: list[int] = []
+        self._requests: dict[Hashable, _Request] = {}
+        self._synchronize = synchronizer(draft.model.device)
+
+    @property
+    def fingerprint(self) -> str:
+        return self.draft.fingerprint
+
+    def check_target(self, target: LoadedModel) -> None:
+        """Refuse a target whose tokenizer is not the draft model's (the drafts would mean other text)."""
+        if target.fingerprint != self.draft.fingerprint:
+            raise ValueError(
+                f"the draft model {self.draft.name} has another tokenizer than the target "
+                f"{target.name}; a draft model must share the target's tokenizer"
+            )
+
+    # --- requests ----------------------------------------------------------------------------------
+    def begin(self, request: Hashable, prompt: Sequence[int]) -> None:
+        runner = self._ensure_runner()
+        if not self._free_rows:
+            rows = runner.cache.num_rows
+            runner.cache.add_rows(2 * rows)
+            self._free_rows = list(range(rows, 2 * rows))
+        self._requests[request] = _Request(self._free_rows.pop(0), list(prompt))
+
+    def extend(self, request: Hashable, tokens: Sequence[int]) -> None:
+        self._requests[request].text.extend(tokens)
+
+    def end(self, request: Hashable) -> None:
+        state = self._requests.pop(request, None)
+        self.root_distributions.pop(request, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+            self._free_rows.sort()
+
+    def observe(self, request: Hashable, proposal: Proposal, accepted: Sequence[int]) -> None:
+        """Calibrate on every model node whose parent was accepted: it was tested, and hit if accepted."""
+        state = self._requests[request]
+        pending, state.pending = state.pending, None
+        n = len(proposal)
+        if pending is None or n == 0 or proposal != pending[0].truncated(n):
+            return
+        raw = pending[1]
+        on_path = {-1, *accepted}
+        for node in range(n):
+            if proposal.parents[node] in on_path and proposal.sources[node] == MODEL_SOURCE:
+                self.calibrate.update(raw[node], node in on_path)
+
+    # --- drafting ----------------------------------------------------------------------------------
+    def propose(self, request: Hashable, max_nodes: int) -> Proposal:
+        return self.propose_batch([request], max_nodes)[0]
+
+    def propose_batch(
+        self,
+        requests: Sequence[Hashable],
+        max_nodes: int,
+        verify_seconds: Sequence[float] | None = None,
+        alongside: Sequence[Proposal] | None = None,
+    ) -> list[Proposal]:
+        """Each request's tree, at most ``max_nodes`` nodes, from one pass per level for the batch.
+
+        ``verify_seconds[n]`` prices a verification of ``n`` draft tokens over the whole batch (None:
+        grow every level); ``alongside`` are other drafters' proposals for the same step (a fused
+        drafter's retrieval), which the draft model must improve on to be run at all.
+        """
+        for request in requests:
+            self._requests[request].pending = None
+        if max_nodes <= 0 or not requests:
+            return [EMPTY_PROPOSAL] * len(requests)
+        pricing = _Pricing(verify_seconds, self.pass_seconds, len(requests), alongside)
+        if not pricing.worth_a_pass(
+            self._first_level_gains(alongside or [None] * len(requests)), self._catch_up_tokens(requests)
+        ):
+            return [EMPTY_PROPOSAL] * len(requests)
+        order = sorted(range(len(requests)), key=lambda i: self._requests[requests[i]].row)
+        states = [self._requests[requests[i]] for i in order]
+        trees = self._first_level(states, [requests[i] for i in order])
+        for _ in range(1, min(self.max_depth, max_nodes)):
+            chosen = [self._frontier(tree) for tree in trees]
+            if not any(chosen):
+                break
+            pricing.add_nodes([tree.probs[n] for tree in trees for n in tree.frontier])
+            ratio = self._child_ratio(trees)
+            gains = [trees[b].probs[n] * ratio for b, nodes in enumerate(chosen) for n in nodes]
+            if not pricing.worth_a_pass(gains, sum(map(len, chosen))):
+                break
+            self._grow(states, trees, chosen)
+        for state in states:
+            self._runner.cache.lengths[state.row] = state.cached  # drop the levels' entries
+        proposals: list[Proposal] = [EMPTY_PROPOSAL] * len(requests)
+        for i, state, tree in zip(order, states, trees, strict=True):
+            proposal, raw = tree.proposal(max_nodes)
+            state.pending = (proposal, raw)
+            proposals[i] = proposal
+        return proposals
+
+    def _catch_up_tokens(self, requests: Sequence[Hashable]) -> int:
+        return sum(len(s.text) - s.cached for s in map(self._requests.__getitem__, requests))
+
+    def _first_level_gains(self, alongside: Sequence[Proposal | None]) -> list[float]:
+        """Per sequence, the expected accepted tokens the root's likeliest child would add: what it
+        was recently, less what another drafter already proposes there."""
+        gains = []
+        for proposal in alongside:
+            best = 0.0
+            if proposal is not None:
+                best = max(
+                    (p for p, up in zip(proposal.probs, proposal.parents, strict=True) if up < 0), default=0.0
+                )
+            gains.append(max(0.0, self._first_child - best))
+        return gains
+
+    def _child_ratio(self, trees: list[_Tree]) -> float:
+        """Calibrated probability mass a node's children carry, relative to the node (last level's)."""
+        mass = parents = 0.0
+        for tree in trees:
+            for node in tree.frontier:
+                mass += tree.probs[node]
+                parents += tree.probs[tree.parents[node]]
+        return mass / parents if parents else 0.0
+
+    def _first_level(self, states: list[_Request], requests: list[Hashable]) -> list[_Tree]:
+        """Catch every sequence's cache up with its text (one pass; a new request's prompt is
+        prefilled first) and give the root its children."""
+        runner = self._runner
+        for state in states:
+            if state.cached == 0 and len(state.text) > 1:
+                runner.prefill(state.row, state.text[:-1])
+                state.cached = len(state.text) - 1
+            runner.cache.lengths[state.row] = state.cached
+            runner.cache.reserve(len(state.text) + self.max_depth * self.expand + 1)
+        tokens = [state.text[state.cached :] for state in states]
+        positions = [torch.arange(state.cached, len(state.text)) for state in states]
+        masks = [torch.ones(len(t), len(t), dtype=torch.bool).tril_() for t in tokens]
+        logits = self._timed(
+            lambda: runner.extend([s.row for s in states], tokens, positions, masks, last_only=True),
+            sum(map(len, tokens)),
+        )
+        trees = []
+        for state, request, row_logits in zip(states, requests, logits, strict=True):
+            state.cached = len(state.text)
+            runner.cache.lengths[state.row] = state.cached
+            distribution = torch.softmax(row_logits[-1].float(), dim=-1)
+            self.root_distributions[request] = distribution
+            tree = _Tree()
+            probs, tokens_ = distribution.topk(self.branching)
+            tree.add_children(0, probs, tokens_, self.calibrate)
+            self._first_child = 0.9 * self._first_child + 0.1 * tree.probs[1]
+            trees.append(tree)
+        return trees
+
+    def _frontier(self, tree: _Tree) -> list[int]:
+        """The newest level's ``expand`` nodes of highest path probability."""
+        return heapq.nlargest(self.expand, tree.frontier, key=lambda n: tree.probs[n])
+
+    def _grow(self, states: list[_Request], trees: list[_Tree], chosen: list[list[int]]) -> None:
+        """One pass over the chosen nodes of every sequence; each gets its children."""
+        runner = self._runner
+        live = [b for b, nodes in enumerate(chosen) if nodes]
+        tokens, positions, masks = [], [], []
+        for b in live:
+            tree, nodes, state = trees[b], chosen[b], states[b]
+            written = tree.cached + nodes
+            column = {node: i for i, node in enumerate(written)}
+            mask = torch.zeros(len(nodes), len(written), dtype=torch.bool)
+            for i, node in enumerate(nodes):
+                ancestor = node
+                while ancestor > 0:
+                    mask[i, column[ancestor]] = True
+                    ancestor = tree.parents[ancestor]
+            tokens.append([tree.tokens[n] for n in nodes])
+            positions.append(torch.tensor([state.cached - 1 + tree.depths[n] for n in nodes]))
+            masks.append(mask)
+        rows = [states[b].row for b in live]
+        logits = self._timed(lambda: runner.extend(rows, tokens, positions, masks), sum(map(len, tokens)))
+        for b, row_logits in zip(live, logits, strict=True):
+            tree, nodes = trees[b], chosen[b]
+            runner.cache.lengths[states[b].row] += len(nodes)
+            tree.cached += nodes
+            tree.frontier = []
+            probs, children = torch.softmax(row_logits.float(), dim=-1).topk(self.branching, dim=-1)
+            for node, node_probs, node_children in zip(nodes, probs, children, strict=True):
+                tree.add_children(node, node_probs, node_children, self.calibrate)
+        for b in range(len(trees)):
+            if not chosen[b]:
+                trees[b].frontier = []
+
+    def _timed(self, run, tokens: int):
+        started = time.perf_counter()
+        result = run()
+        self._synchronize()
+        self.pass_seconds.record(tokens, time.perf_counter() - started)
+        return result
+
+    def _ensure_runner(self) -> ModelRunner:
+        if self._runner is None:
+            self._runner = ModelRunner(self.draft.model, INITIAL_ROWS, INITIAL_CAPACITY, self.runner_kind)
+            self._free_rows = list(range(INITIAL_ROWS))
+        return self._runner
+
+
+class _Pricing:
+    """Whether one more draft pass pays, from the step's verification costs and the passes timed.
+
+    A step emits, per sequence, the bonus token plus the accepted drafts; with ``k`` draft nodes
+    verified (the best ``k`` of the step, any sequence) it expects ``batch + (sum of their
+    probabilities)`` tokens in ``draft seconds + verify_seconds[k]``. A pass pays when the best rate
+    with the nodes it is expected to add beats the best rate without it.
+    """
+
+    def __init__(
+        self,
+        verify_seconds: Sequence[float] | None,
+        pass_seconds: PassTimer,
+        batch: int,
+        alongside: Sequence[Proposal] | None,
+    ) -> None:
+        self.verify_seconds = verify_seconds
+        self.pass_seconds = pass_seconds
+        self.batch = batch
+        self.probs = sorted((p for proposal in alongside or () for p in proposal.probs), reverse=True)
+        self.spent = 0.0
+
+    def add_nodes(self, probs: Sequence[float]) -> None:
+        self.probs = sorted([*self.probs, *probs], reverse=True)
+
+    def _best_rate(self, probs: Sequence[float], spent: float) -> float:
+        expected, best = float(self.batch), self.batch / (spent + self.verify_seconds[0])
+        for k, p in enumerate(probs[: len(self.verify_seconds) - 1], 1):
+            expected += p
+            best = max(best, expected / (spent + self.verify_seconds[k]))
+        return best
+
+    def worth_a_pass(self, gains: Sequence[float], tokens: int) -> bool:
+        """Whether a pass over ``tokens`` tokens, expected to add nodes accepted with probabilities
+        ``gains``, raises the step's best rate (it is then counted as spent)."""
+        if self.verify_seconds is None:
+            return any(g > 0 for g in gains)
+        seconds = self.pass_seconds(tokens)
+        if seconds is None:
+            return True  # nothing timed yet: run, and learn what a pass costs
+        without = self._best_rate(self.probs, self.spent)
+        hoped = sorted([*self.probs, *gains], reverse=True)
+        if self._best_rate(hoped, self.spent + seconds) <= without:
+            return False
+        self.spent += seconds
+        return True

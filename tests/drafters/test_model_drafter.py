@@ -1,0 +1,176 @@
+"""The draft model's tree, its fusions with retrieval, and exactness with any draft model."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+
+from reader_spec.config import GenerationConfig
+from reader_spec.drafters import ReaderDrafter
+from reader_spec.drafters.fusion import FusedDrafter, merge_proposals, prune_branches, sub_feedback
+from reader_spec.drafters.model import ModelDrafter, load_draft_model
+from reader_spec.drafters.model.drafter import PassTimer, ProbabilityCalibrator
+from reader_spec.engine.loop import Engine
+from reader_spec.engine.tree import DraftTree, Proposal, chain_proposal
+from reader_spec.loading import LoadedModel, ModelLoadError
+from tests.conftest import make_tiny_llama, make_tiny_tokenizer
+from tests.engine.test_engine import FLAT_COSTS, NO_EOS, mixed_configs, random_prompts
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(9, seed=3)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny, prompts):
+    return Engine(tiny).generate(prompts, NO_EOS)
+
+
+@pytest.fixture(scope="module")
+def plain_sampled(tiny, prompts):
+    return Engine(tiny).generate(prompts, mixed_configs(len(prompts)))
+
+
+@pytest.fixture(scope="module")
+def same_draft(tiny) -> LoadedModel:
+    """A copy of the target as its draft model: it drafts what the target emits (greedy)."""
+    return replace(tiny, model=copy.deepcopy(tiny.model), name="tiny-copy")
+
+
+@pytest.fixture(scope="module")
+def other_draft(tiny) -> LoadedModel:
+    """Another random model with the target's tokenizer: it drafts mostly wrong tokens."""
+    return replace(tiny, model=make_tiny_llama(seed=7), name="tiny-other")
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize("which", ["same", "other"])
+def test_model_drafts_are_exact_with_any_draft_model(
+    tiny, prompts, plain, same_draft, other_draft, which, batch_size
+):
+    draft = same_draft if which == "same" else other_draft
+    engine = Engine(tiny, ModelDrafter(draft, max_depth=5), budget=8, costs=FLAT_COSTS)
+    outputs = engine.generate(prompts, NO_EOS, batch_size=batch_size)
+    assert [o.tokens for o in outputs] == [o.tokens for o in plain]
+    accepted = sum(o.stats.accepted for o in outputs)
+    if which == "same":  # the copy's likeliest children are the target's choices (a flat random model:
+        # its top child has a low probability, so the budget also buys siblings)
+        assert sum(o.stats.new_tokens for o in outputs) / sum(o.stats.steps for o in outputs) > 2.5
+    assert accepted == sum(o.stats.accepted_by_source.get("model", 0) for o in outputs)
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize("mode", ["reader", "rasd"])
+def test_fused_drafts_are_exact_and_sampling_stays_the_models(
+    tiny, prompts, plain_sampled, other_draft, mode, batch_size
+):
+    drafter = FusedDrafter(ReaderDrafter(), ModelDrafter(other_draft, max_depth=4), mode)
+    engine = Engine(tiny, drafter, budget=8, costs=FLAT_COSTS)
+    outputs = engine.generate(prompts, mixed_configs(len(prompts)), batch_size=batch_size)
+    assert [o.tokens for o in outputs] == [o.tokens for o in plain_sampled]
+
+
+@pytest.mark.parametrize("mode", ["reader", "rasd"])
+def test_fusion_credits_both_sources_greedy(tiny, prompts, plain, same_draft, mode):
+    drafter = FusedDrafter(ReaderDrafter(), ModelDrafter(same_draft, max_depth=4), mode)
+    outputs = Engine(tiny, drafter, budget=8, costs=FLAT_COSTS).generate(prompts, NO_EOS, batch_size=3)
+    assert [o.tokens for o in outputs] == [o.tokens for o in plain]
+    sources = {s for o in outputs for s in o.stats.accepted_by_source}
+    assert "model" in sources
+
+
+def test_adaptive_budget_with_measured_costs_stays_exact(tiny, prompts, plain, same_draft):
+    """Measured costs make levels and the draft model itself optional each step."""
+    drafter = FusedDrafter(ReaderDrafter(), ModelDrafter(same_draft), "reader")
+    outputs = Engine(tiny, drafter, budget=8).generate(prompts, NO_EOS, batch_size=4)
+    assert [o.tokens for o in outputs] == [o.tokens for o in plain]
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tiny, tiny_llama_dir):
+    stranger = LoadedModel(make_tiny_llama(), make_tiny_tokenizer(80), "other", "another-fingerprint")
+    with pytest.raises(ValueError, match="another tokenizer"):
+        Engine(tiny, ModelDrafter(stranger))
+    target = replace(tiny, fingerprint="not-the-drafts")
+    with pytest.raises(ModelLoadError, match="another tokenizer"):
+        load_draft_model(str(tiny_llama_dir), target)
+
+
+def test_tree_grows_best_first_and_levels_see_their_ancestors(tiny, same_draft, prompts):
+    """Every level's node is what the draft model predicts after its own path, as a chain would."""
+    drafter = ModelDrafter(same_draft, branching=2, expand=2, max_depth=4)
+    drafter.begin("r", prompts[0])
+    proposal = drafter.propose("r", 30)
+    assert 0 < len(proposal) <= 2 + 2 * 2 * 3
+    assert all(a >= b for a, b in zip(proposal.probs, proposal.probs[1:], strict=False))
+    tree = DraftTree.from_proposal(prompts[0][-1], proposal)
+    # The likeliest path, re-read greedily from the target (the same weights): it must be the chain
+    # the draft model's top children form.
+    greedy = Engine(tiny).generate([prompts[0]], replace(NO_EOS, max_new_tokens=4))[0].tokens
+    node, path = 0, []
+    for _ in range(4):
+        children = [c for c in range(1, len(tree)) if tree.parents[c] == node]
+        if not children:
+            break
+        node = children[0]
+        path.append(tree.tokens[node])
+    assert path == greedy[: len(path)] and len(path) >= 3
+
+
+def test_merge_keeps_the_best_estimate_of_each_path_and_parents_first():
+    model = Proposal((5, 6, 7), (-1, 0, -1), (0.9, 0.5, 0.2), ("model",) * 3)
+    retrieval = chain_proposal([5, 6, 8], [0.8, 0.7, 0.6], "context")
+    merged = merge_proposals([model, retrieval])
+    paths = {}
+    for i, (t, p) in enumerate(zip(merged.tokens, merged.parents, strict=True)):
+        paths[i] = (*paths[p], t) if p >= 0 else (t,)
+    by_path = {paths[i]: (merged.probs[i], merged.sources[i]) for i in range(len(merged))}
+    assert by_path == {
+        (5,): (0.9, "model"),
+        (5, 6): (0.7, "context"),
+        (5, 6, 8): (0.6, "context"),
+        (7,): (0.2, "model"),
+    }
+    assert all(p < i for i, p in enumerate(merged.parents))
+
+
+def test_prune_drops_whole_branches_by_first_token():
+    proposal = Proposal((1, 2, 3, 4), (-1, 0, -1, 2), (0.9, 0.8, 0.5, 0.4), ("context",) * 4)
+    pruned = prune_branches(proposal, {3})
+    assert pruned.tokens == (3, 4) and pruned.parents == (-1, 0)
+
+
+def test_sub_feedback_maps_the_fused_path_back_to_each_part():
+    part = chain_proposal([5, 6, 8], [0.8, 0.7, 0.6], "context")
+    fused = Proposal((5, 6, 9), (-1, 0, 1), (0.9, 0.7, 0.5), ("model", "context", "model"))
+    verified, hits = sub_feedback(part, fused, [0, 1])
+    assert verified == part.truncated(2) and hits == [0, 1]
+
+
+def test_calibration_and_timing_learn_from_outcomes():
+    calibrate = ProbabilityCalibrator()
+    before = calibrate(0.95)
+    for _ in range(50):
+        calibrate.update(0.95, False)
+    assert calibrate(0.95) < before / 3
+    timer = PassTimer()
+    assert timer(4) is None
+    timer.record(1, 0.01)
+    timer.record(9, 0.03)
+    assert timer(5) == pytest.approx(0.02)
+
+
+def test_propose_batch_rows_grow_beyond_the_first_allocation(tiny, same_draft, prompts):
+    drafter = ModelDrafter(same_draft, max_depth=2)
+    for i, prompt in enumerate(prompts):
+        drafter.begin(i, prompt)
+    proposals = drafter.propose_batch(list(range(len(prompts))), 4)
+    assert all(len(p) == 4 for p in proposals)
+    for i in range(len(prompts)):
+        drafter.end(i)
+
+
+def test_greedy_config_helper():
+    assert NO_EOS.max_new_tokens == 40 and GenerationConfig().temperature == 0.0
