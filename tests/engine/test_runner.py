@@ -213,3 +213,30 @@ def test_steps_write_in_place_without_reallocating(model):
         runner.cache.commit(1, [0])
     assert (layer.keys.data_ptr(), layer.values.data_ptr()) == pointers
     assert runner.cache.lengths[:2].tolist() == [14, 7]
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_an_int8_copy_of_a_packed_model_verifies_close_to_float32(family):
+    """A draft model: a copy of a model the fast runner packed (float32), packed again as int8 (fused,
+    tied and soft-capped families alike). Its tree logits are close to the float32 model's and equal
+    to its own transformers forward's; the float32 model is untouched."""
+    from reader_spec.engine.decoder import FastDecoder
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
+    model.set_attn_implementation("eager" if family in EAGER_ONLY else "sdpa")
+    case = Case(model, copy.deepcopy(model), "fast")
+    tokens = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    chain = DraftTree(tokens[9:], list(range(-1, 10)))
+    make_runner(case, num_rows=1, capacity=32).prefill(0, tokens[:9])  # packs float32 in place
+    draft = copy.deepcopy(model)
+    del draft._reader_fast_decoder
+    draft._reader_fast_decoder = FastDecoder(draft, weights="int8")
+    runner = make_runner(Case(draft, draft, "fast"), num_rows=1, capacity=32)
+    runner.prefill(0, tokens[:9])
+    logits = runner.verify([chain], [0])[0]
+    expected = full_logits(case, tokens)[9:]
+    assert 0 < (logits - expected).abs().max() < 0.1 * expected.abs().max()
+    with torch.no_grad():
+        assert (draft(torch.tensor([tokens])).logits[0][9:] - logits).abs().max() < TOL
+        assert (model(torch.tensor([tokens])).logits[0] - full_logits(case, tokens)).abs().max() < TOL

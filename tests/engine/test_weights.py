@@ -128,3 +128,210 @@ def test_without_a_compiler_the_runner_says_so_and_uses_pytorch(monkeypatch, cap
         assert torch.allclose(packed(x), nn.functional.linear(x, *reference), rtol=0, atol=TOL)
     finally:
         kernels.available.cache_clear()  # the next caller loads the real kernel again
+
+
+# int8: symmetric per output row, multiplied in the same column blocks (or dequantized where there
+# are none). Each product is compared with the matmul of the dequantized matrix, computed here.
+
+
+def dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` through int8 and back: ``round(w / s) * s`` per row, ``s = max |row| / 127``."""
+    scale = weight.abs().amax(dim=1, keepdim=True) / 127
+    return (weight / scale).round().clamp(-127, 127) * scale
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 9, 17, 70])
+@pytest.mark.parametrize("bias", [False, True])
+def test_an_int8_matrix_multiplies_like_its_dequantized_matrix(kernel, rows, bias):
+    module = linear(100, 70, bias, seed=rows)  # 100 outputs: the last block of 32 is partial
+    weight, bias_values = module.weight.clone(), None if module.bias is None else module.bias.clone()
+    packed, _ = pack_linears([module], weights="int8")
+    assert packed.blocked and packed.weight.dtype == torch.int8 and packed.weight_format == "int8"
+    assert packed.weight.shape == (4, 70, 32) and packed.scales.shape == (128,)
+    x = torch.randn(2, rows, 70)
+    expected = nn.functional.linear(x, dequantized(weight), bias_values)
+    assert packed(x).shape == (2, rows, 100)
+    assert torch.allclose(packed(x), expected, rtol=0, atol=TOL)
+
+
+def test_int8_weights_are_within_half_a_step_of_the_originals():
+    module = linear(100, 70, bias=False, seed=1)
+    weight = module.weight.clone()
+    packed, _ = pack_linears([module], weights="int8")
+    step = weight.abs().amax(dim=1, keepdim=True) / 127
+    assert torch.equal(packed.plain_weight(), dequantized(weight))
+    assert ((packed.plain_weight() - weight).abs() <= step / 2 * (1 + 1e-5)).all()
+    assert packed.weight.abs().amax(dim=(1, 2))[:3].eq(127).all()  # every full row reaches 127
+
+
+def test_fused_int8_matrices_split_into_their_parts_and_views_stay_usable(kernel):
+    parts = [linear(n, 48, bias=n == 16, seed=n) for n in (64, 16, 16)]  # q, k (with bias), v
+    references = [(dequantized(p.weight), None if p.bias is None else p.bias.clone()) for p in parts]
+    fused, views = pack_linears(parts, weights="int8")
+    x = torch.randn(5, 48)
+    expected = [nn.functional.linear(x, *ref) for ref in references]
+    for got, want, view, ref in zip(fused.split(fused(x)), expected, views, references, strict=True):
+        assert (got - want).abs().max() < TOL
+        assert (view(x) - want).abs().max() < TOL
+        assert torch.equal(view.plain_weight(), ref[0])
+    assert all(not hasattr(p, "weight") for p in parts)  # originals freed
+    assert fused.weight.numel() == (64 + 32 + 32) * 48 and fused.scales.numel() == 64 + 32 + 32
+    for view in views:
+        assert view.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
+        assert view.scales.untyped_storage().data_ptr() == fused.scales.untyped_storage().data_ptr()
+
+
+def test_an_int8_module_saves_and_looks_up_the_dequantized_matrix():
+    module = linear(96, 40, bias=True, seed=3)
+    weight, bias = dequantized(module.weight), module.bias.clone()
+    packed, _ = pack_linears([module], weights="int8")
+    state = packed.state_dict()
+    assert state.keys() == {"weight", "bias"}
+    assert torch.equal(state["weight"], weight) and torch.equal(state["bias"], bias)
+    assert state["weight"].dtype == torch.float32
+    tokens = torch.tensor([0, 31, 32, 95, 7])
+    assert torch.equal(packed.rows_of(tokens), weight[tokens])
+    assert torch.equal(packed.rows_of(tokens[None]), weight[tokens][None])  # [batch, tokens] as well
+    assert "int8" in repr(packed) and "float32" in repr(pack_linears([linear(8, 4, False, 0)])[0])
+
+
+def test_int8_rows_do_not_depend_on_the_rest_of_the_pass():
+    """The compiled int8 op sums each column over k in order, whatever the tile: a row's outputs are
+    the same alone, among 2 or 3 rows (two blocks side by side), among 11, on 1 or 2 threads."""
+    if not kernels.available():
+        pytest.fail("the compiled kernels must build on this machine (make builds them)")
+    module = linear(157, 64, bias=True, seed=6)  # 5 blocks, the last partial: an unpaired one
+    packed, _ = pack_linears([module], weights="int8")
+    x = torch.randn(11, 64)
+
+    def run(rows):
+        return torch.ops.reader_spec.blocked_linear_int8(rows, packed.weight, packed.scales, packed.bias, 157)
+
+    together = run(x)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for start, stop in [(0, 1), (4, 5), (10, 11), (0, 2), (3, 6), (1, 9)]:
+                assert torch.equal(run(x[start:stop]), together[start:stop])
+    finally:
+        torch.set_num_threads(threads)
+    expected = nn.functional.linear(x, packed.plain_weight(), packed.bias)
+    assert torch.allclose(together, expected, rtol=0, atol=TOL)
+
+
+def test_int8_on_other_dtypes_keeps_the_plain_layout():
+    module = linear(64, 32, bias=True, seed=4).to(torch.bfloat16)
+    weight = module.weight.float()
+    packed, _ = pack_linears([module], weights="int8")
+    assert not packed.blocked and packed.weight.dtype == torch.int8 and packed.weight.shape == (64, 32)
+    plain = packed.plain_weight()
+    assert plain.dtype == torch.bfloat16 and packed.scales.dtype == torch.bfloat16
+    assert (plain.float() - weight).abs().max() < 0.01 * weight.abs().max()
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    assert torch.equal(packed(x), nn.functional.linear(x, plain, packed.bias))
+    assert torch.equal(packed.rows_of(torch.tensor([5, 63])), plain[[5, 63]])
+
+
+def test_an_unknown_weight_format_is_refused_before_anything_is_packed():
+    module = linear(8, 4, bias=False, seed=0)
+    with pytest.raises(ValueError, match="weights must be one of float32, int8"):
+        pack_linears([module], weights="int4")
+    assert isinstance(module.weight, nn.Parameter)
+
+
+def _tiny_llama(tied: bool):
+    from tests.conftest import make_tiny_llama
+
+    model = make_tiny_llama()
+    if tied:  # the output layer is the input embedding (SmolLM2's case)
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def _fast_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Logits of ``tokens[9:]`` through the engine's fast runner (prefill, then one chain)."""
+    from reader_spec.engine.runner import ModelRunner
+    from reader_spec.engine.tree import DraftTree
+
+    runner = ModelRunner(model, num_rows=1, capacity=32, runner="fast")
+    runner.prefill(0, tokens[:9])
+    chain = tokens[9:]
+    return runner.verify([DraftTree(chain, list(range(-1, len(chain) - 1)))], [0])[0]
+
+
+def _own_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_an_int8_model_predicts_close_to_float32_and_runs_its_own_forward(tied):
+    import copy
+
+    from reader_spec.engine.decoder import FastDecoder, _TiedEmbedding
+
+    model = _tiny_llama(tied)
+    reference = copy.deepcopy(model)
+    model._reader_fast_decoder = FastDecoder(model, weights="int8")
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 1 + 7 * model.config.num_hidden_layers
+    assert all(m.weight.dtype == torch.int8 for m in packed)
+    assert isinstance(model.model.embed_tokens, _TiedEmbedding) == tied
+    tokens = list(range(3, 20))
+    expected = _own_logits(reference, tokens)
+    own = _own_logits(model, tokens)  # transformers' forward over the int8 modules
+    fast = _fast_logits(model, tokens)
+    assert (fast - own[9:]).abs().max() < TOL  # the same int8 model either way
+    error = (own - expected).abs().max()
+    assert 0 < error < 0.02 * expected.abs().max()  # quantized, and close
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_copy_of_a_float32_packed_model_packs_again_as_int8(tied):
+    import copy
+
+    from reader_spec.engine.decoder import FastDecoder, _TiedEmbedding
+
+    model = _tiny_llama(tied)
+    fresh = copy.deepcopy(model)
+    FastDecoder(fresh, weights="int8")  # int8 straight from nn.Linear: what the copy must become
+    tokens = list(range(3, 20))
+    expected = _own_logits(model, tokens)
+    assert (_fast_logits(model, tokens) - expected[9:]).abs().max() < TOL  # packs float32 in place
+    draft = copy.deepcopy(model)
+    del draft._reader_fast_decoder
+    draft._reader_fast_decoder = FastDecoder(draft, weights="int8")
+    for (name, got), (_, want) in zip(draft.named_modules(), fresh.named_modules(), strict=True):
+        if isinstance(want, PackedLinear):
+            assert isinstance(got, PackedLinear) and got.weight_format == "int8", name
+            assert torch.equal(got.weight, want.weight) and torch.equal(got.scales, want.scales), name
+            assert got.parts == want.parts, name
+    if tied:
+        embed = draft.model.embed_tokens
+        assert isinstance(embed, _TiedEmbedding) and embed.lm_head[0] is draft.lm_head
+    assert (_fast_logits(draft, tokens) - _own_logits(fresh, tokens)[9:]).abs().max() < TOL
+    # the float32 model is untouched by its copy's packing
+    assert (_own_logits(model, tokens) - expected).abs().max() < TOL
+    assert all(m.weight.dtype == torch.float32 for m in model.modules() if isinstance(m, PackedLinear))
+
+
+def test_without_a_compiler_int8_weights_are_dequantized_for_each_product(monkeypatch):
+    import torch.utils.cpp_extension
+
+    def no_compiler(**kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    kernels.available.cache_clear()
+    try:
+        assert not kernels.available()
+        module = linear(100, 40, bias=True, seed=7)
+        reference = dequantized(module.weight), module.bias.clone()
+        packed, _ = pack_linears([module], weights="int8")
+        assert packed.blocked and packed.weight.dtype == torch.int8
+        for rows in (1, 9, 100):
+            x = torch.randn(rows, 40)
+            assert torch.allclose(packed(x), nn.functional.linear(x, *reference), rtol=0, atol=TOL)
+    finally:
+        kernels.available.cache_clear()  # the next caller loads the real kernel again

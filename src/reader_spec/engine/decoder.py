@@ -69,10 +69,16 @@ class _Layer:
 
 
 class FastDecoder:
-    """Packs ``model``'s weights in place (its own forward keeps working) and runs packed passes."""
+    """Packs ``model``'s weights in place (its own forward keeps working) and runs packed passes.
 
-    def __init__(self, model: PreTrainedModel):
+    ``weights``: the storage format of every packed matrix (``WEIGHT_FORMATS`` of
+    :mod:`reader_spec.engine.weights`; ``int8`` for a draft model). ``model`` may have been packed
+    before (a copy of a packed model, packed again in another format).
+    """
+
+    def __init__(self, model: PreTrainedModel, weights: str = "float32"):
         self.model = model
+        self.weights = weights
         core = model.model
         attention0 = core.layers[0].self_attn
         self.apply_rotary = sys.modules[type(attention0).__module__].apply_rotary_pos_emb
@@ -87,11 +93,14 @@ class FastDecoder:
         self.final_softcap = getattr(model.config, "final_logit_softcapping", None)
         self.norm = core.norm
         self.embed = core.embed_tokens
-        tied = model.lm_head.weight is core.embed_tokens.weight
-        self.lm_head, _ = pack_linears([model.lm_head])
+        if isinstance(core.embed_tokens, _TiedEmbedding):  # packed before: tied to the old output layer
+            tied, scale = True, core.embed_tokens.scale
+        else:
+            tied = model.lm_head.weight is core.embed_tokens.weight
+            scale = getattr(core.embed_tokens, "embed_scale", None)
+        self.lm_head, _ = pack_linears([model.lm_head], weights=weights)
         model.lm_head = self.lm_head
         if tied:
-            scale = getattr(core.embed_tokens, "embed_scale", None)
             core.embed_tokens = self.embed = _TiedEmbedding(self.lm_head, scale)
         self.layers = [
             self._pack_layer(layer, kind)
@@ -105,19 +114,25 @@ class FastDecoder:
             config = attention.config
             heads = config.num_attention_heads * self.head_dim
             kv_heads = config.num_key_value_heads * self.head_dim
-            qkv, _ = pack_linears([attention.qkv_proj], parts=(heads, kv_heads, kv_heads))
+            qkv, _ = pack_linears(
+                [attention.qkv_proj], parts=(heads, kv_heads, kv_heads), weights=self.weights
+            )
             attention.qkv_proj = qkv
         else:
-            qkv, views = pack_linears([attention.q_proj, attention.k_proj, attention.v_proj])
+            qkv, views = pack_linears(
+                [attention.q_proj, attention.k_proj, attention.v_proj], weights=self.weights
+            )
             attention.q_proj, attention.k_proj, attention.v_proj = views
-        attention.o_proj, _ = pack_linears([attention.o_proj])
+        attention.o_proj, _ = pack_linears([attention.o_proj], weights=self.weights)
         if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate and up are one matrix too
-            half = mlp.gate_up_proj.weight.shape[0] // 2
-            gate_up, _ = pack_linears([mlp.gate_up_proj], parts=(half, half))
+            half = mlp.gate_up_proj.out_features // 2  # nn.Linear's or, packed before, PackedLinear's
+            gate_up, _ = pack_linears([mlp.gate_up_proj], parts=(half, half), weights=self.weights)
             mlp.gate_up_proj = gate_up
         else:
-            gate_up, (mlp.gate_proj, mlp.up_proj) = pack_linears([mlp.gate_proj, mlp.up_proj])
-        mlp.down_proj, _ = pack_linears([mlp.down_proj])
+            gate_up, (mlp.gate_proj, mlp.up_proj) = pack_linears(
+                [mlp.gate_proj, mlp.up_proj], weights=self.weights
+            )
+        mlp.down_proj, _ = pack_linears([mlp.down_proj], weights=self.weights)
         gemma = hasattr(layer, "pre_feedforward_layernorm")
         return _Layer(
             input_norm=layer.input_layernorm,

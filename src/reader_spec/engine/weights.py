@@ -8,6 +8,13 @@ compiled one of :mod:`reader_spec.engine.kernels` and PyTorch's batched matmul; 
 a given matrix shape and row count is decided by timing both once per process. Other devices and
 dtypes keep the plain layout and ``F.linear``.
 
+The storage format is a choice of the packing step (:data:`WEIGHT_FORMATS`): the model's own float
+weights, or int8 with a float scale per output row (symmetric, per output channel), for a draft
+model that only needs to be close. On a CPU int8 matrices take the same column blocks, read by the
+compiled kernel's int8 op (a quarter of the bytes of float32); elsewhere, or without a compiler, they
+are dequantized for each product. PyTorch's own int8 kernel (``torch._weight_int8pack_mm``) is no
+use here: on a CPU it is several times slower than float32 at a few rows.
+
 Packing replaces the model's ``nn.Linear`` modules by :class:`PackedLinear` modules (the model's own
 forward still runs) and frees the originals, so no second copy of the weights is kept. Projections
 that read the same input (query/key/value, gate/up) share one fused matrix; each original module
@@ -32,6 +39,10 @@ from reader_spec.engine import kernels
 BLOCK = kernels.BLOCK
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Row counts at which the kernels are timed; a pass uses the choice of the next bucket up."""
+WEIGHT_FORMATS = ("float32", "int8")
+"""How :func:`pack_linears` stores a matrix: ``float32``, the model's own weights, unquantized (blocked
+where they are float32 on a CPU, other dtypes and devices as they are); ``int8``, symmetric per output
+row (``W ≈ q * scale``, ``scale = max |row| / 127``, rounded to nearest), scales in the model's dtype."""
 
 
 class PackedLinear(nn.Module):
@@ -39,6 +50,8 @@ class PackedLinear(nn.Module):
 
     ``blocked``: ``weight`` is ``[blocks, in, 32]`` (CPU, float32), else the plain matrix. A fused
     matrix knows where its parts' outputs lie (``parts``: start and size of each), for :meth:`split`.
+    ``scales`` (int8 weights): ``W = weight * scales`` per output row, one scale per stored row
+    (blocked: padding rows included); the bias stays in the model's dtype.
     """
 
     def __init__(
@@ -48,23 +61,50 @@ class PackedLinear(nn.Module):
         out_features: int,
         blocked: bool,
         parts: Sequence[tuple[int, int]] = (),
+        scales: torch.Tensor | None = None,
     ):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.scales = None if scales is None else nn.Parameter(scales, requires_grad=False)
         self.out_features = out_features
         self.in_features = weight.shape[1]
         self.blocked = blocked
         self.parts = tuple(parts) or ((0, out_features),)
 
+    @property
+    def weight_format(self) -> str:
+        """Which of :data:`WEIGHT_FORMATS` it stores."""
+        return "float32" if self.scales is None else "int8"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scales is not None:
+            return self._forward_int8(x)
         if not self.blocked:
             return nn.functional.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
         if _compiled_wins(self.weight, rows):
             return torch.ops.reader_spec.blocked_linear(x, self.weight, self.bias, self.out_features)
         flat = x.reshape(rows, self.in_features)
-        out = torch.matmul(flat, self.weight).transpose(0, 1).reshape(rows, self.weight.shape[0] * BLOCK)
+        return self._unblock(torch.matmul(flat, self.weight), x)
+
+    def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.blocked:  # another device or dtype: correct, not fast
+            return nn.functional.linear(x, self.plain_weight(), self.bias)
+        rows = x.numel() // self.in_features
+        if _compiled_wins(self.weight, rows):
+            return torch.ops.reader_spec.blocked_linear_int8(
+                x, self.weight, self.scales, self.bias, self.out_features
+            )
+        # Without the compiled kernel: the blocks as floats, then the batched matmul, scaled per column.
+        flat = x.reshape(rows, self.in_features)
+        out = torch.matmul(flat, self.weight.to(flat.dtype)) * self.scales.view(-1, 1, BLOCK)
+        return self._unblock(out, x)
+
+    def _unblock(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The batched matmul's ``[blocks, rows, 32]`` as ``x``'s rows of outputs, plus the bias."""
+        rows = out.shape[1]
+        out = out.transpose(0, 1).reshape(rows, self.weight.shape[0] * BLOCK)
         out = out[:, : self.out_features]
         if self.bias is not None:
             out = out + self.bias
@@ -75,10 +115,14 @@ class PackedLinear(nn.Module):
         return [out[..., start : start + size] for start, size in self.parts]
 
     def plain_weight(self) -> torch.Tensor:
-        """The ``[out, in]`` matrix (a copy when blocked)."""
+        """The ``[out, in]`` matrix (a copy when blocked; dequantized, in the model's dtype, when int8)."""
         if not self.blocked:
-            return self.weight
-        return self.weight.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].contiguous()
+            weight = self.weight
+        else:
+            weight = self.weight.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+        if self.scales is not None:
+            return weight.to(self.scales.dtype) * self.scales[: self.out_features, None]
+        return weight if not self.blocked else weight.contiguous()
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # A packed model saves what nn.Linear would: save_pretrained writes loadable files.
@@ -87,54 +131,95 @@ class PackedLinear(nn.Module):
             destination[prefix + "bias"] = self.bias[: self.out_features]
 
     def rows_of(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Rows of the plain matrix (an embedding lookup in a tied output layer)."""
-        if not self.blocked:
-            return self.weight[tokens]
-        return self.weight[tokens // BLOCK, :, tokens % BLOCK]
+        """Rows of the plain matrix (an embedding lookup in a tied output layer; dequantized when int8)."""
+        rows = self.weight[tokens] if not self.blocked else self.weight[tokens // BLOCK, :, tokens % BLOCK]
+        if self.scales is None:
+            return rows
+        return rows.to(self.scales.dtype) * self.scales[tokens].unsqueeze(-1)
 
     def extra_repr(self) -> str:
         layout = "blocked" if self.blocked else "plain"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {layout}"
+        stored = str(self.weight.dtype).removeprefix("torch.")
+        return f"in_features={self.in_features}, out_features={self.out_features}, {layout}, {stored}"
 
 
 def pack_linears(
-    modules: Sequence[nn.Linear], parts: Sequence[int] = ()
+    modules: Sequence[nn.Linear | PackedLinear], parts: Sequence[int] = (), weights: str = "float32"
 ) -> tuple[PackedLinear, list[PackedLinear]]:
     """One fused :class:`PackedLinear` over ``modules`` (same input), and a view of it for each.
 
     ``parts`` gives the sizes of the outputs of a single module that is already fused (Phi-3).
+    ``weights`` is the storage format (:data:`WEIGHT_FORMATS`). ``modules`` may be packed already (a
+    copy of a packed model, packed again in another format): their plain matrices are read.
     The originals' weights are freed one by one as they are packed: no second copy is kept.
     """
-    blocked = _blocks(modules[0].weight)
-    sizes = [m.weight.shape[0] for m in modules]
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    quantize = weights == "int8"
+    blocked = _blocks(_values_of(modules[0]))
+    sizes = [m.out_features if isinstance(m, PackedLinear) else m.weight.shape[0] for m in modules]
     stored = [_round_up(n) if blocked else n for n in sizes]
     has_bias = any(m.bias is not None for m in modules)
-    weights, biases = [], []
+    matrices, biases, scales = [], [], []
     for module, size, room in zip(modules, sizes, stored, strict=True):
-        weight = module.weight.detach()
-        weights.append(_to_blocks(weight, room) if blocked else weight)
+        weight = _plain_of(module)
         if has_bias:
-            bias = module.bias.detach() if module.bias is not None else weight.new_zeros(size)
+            bias = module.bias.detach()[:size] if module.bias is not None else weight.new_zeros(size)
             biases.append(torch.cat([bias, bias.new_zeros(room - size)]))
-        if blocked:
+        matrix = weight
+        if quantize:
+            matrix, scale = _quantize(weight)
+            scales.append(torch.cat([scale, scale.new_zeros(room - size)]))
+        matrices.append(_to_blocks(matrix, room) if blocked else matrix)
+        if blocked or quantize:
             release_file_pages(weight)
-        del module.weight, weight
-    fused = weights[0] if len(weights) == 1 else torch.cat(weights)
-    del weights
+        del module.weight, weight, matrix
+        if isinstance(module, PackedLinear) and module.scales is not None:
+            del module.scales
+    fused = matrices[0] if len(matrices) == 1 else torch.cat(matrices)
+    del matrices
     bias = None if not has_bias else biases[0] if len(biases) == 1 else torch.cat(biases)
+    fused_scales = None if not quantize else scales[0] if len(scales) == 1 else torch.cat(scales)
     if len(modules) == 1:
         offsets = [0, *itertools.accumulate(parts)][:-1] if parts else [0]
         bias = None if bias is None else bias[: sizes[0]]
-        whole = PackedLinear(fused, bias, sizes[0], blocked, list(zip(offsets, parts or sizes, strict=True)))
+        part_sizes = list(zip(offsets, parts or sizes, strict=True))
+        whole = PackedLinear(fused, bias, sizes[0], blocked, part_sizes, fused_scales)
         return whole, [whole]
     starts = [0, *itertools.accumulate(stored)][:-1]
-    whole = PackedLinear(fused, bias, sum(stored), blocked, list(zip(starts, sizes, strict=True)))
+    part_sizes = list(zip(starts, sizes, strict=True))
+    whole = PackedLinear(fused, bias, sum(stored), blocked, part_sizes, fused_scales)
     views = []
     for start, size, room in zip(starts, sizes, stored, strict=True):
         rows = slice(start // BLOCK, (start + room) // BLOCK) if blocked else slice(start, start + size)
         part_bias = None if bias is None else bias[start : start + size]
-        views.append(PackedLinear(fused[rows], part_bias, size, blocked))
+        part_scales = None if fused_scales is None else fused_scales[start : start + room]
+        views.append(PackedLinear(fused[rows], part_bias, size, blocked, scales=part_scales))
     return whole, views
+
+
+def _values_of(module: nn.Linear | PackedLinear) -> torch.Tensor:
+    """A tensor with the device and float dtype of the module's matrix (for the layout's choice)."""
+    if isinstance(module, PackedLinear) and module.scales is not None:
+        return module.scales
+    return module.weight
+
+
+def _plain_of(module: nn.Linear | PackedLinear) -> torch.Tensor:
+    """The module's ``[out, in]`` float matrix, detached."""
+    if isinstance(module, PackedLinear):
+        return module.plain_weight().detach()
+    return module.weight.detach()
+
+
+def _quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: ``weight ≈ q * scales[:, None]``, ``scales = max |row| / 127``
+    in the weight's dtype (q is rounded against that scale, so it is the one that dequantizes)."""
+    values = weight.float()
+    scales = (values.abs().amax(dim=1) / 127).to(weight.dtype)
+    divisor = scales.float().clamp_min(torch.finfo(torch.float32).tiny)[:, None]  # all-zero rows: q = 0
+    quantized = (values / divisor).round_().clamp_(-127, 127).to(torch.int8)
+    return quantized, scales
 
 
 def _blocks(weight: torch.Tensor) -> bool:
@@ -207,7 +292,14 @@ _CHOICES: dict[tuple[int, int], dict[int, bool]] = {}
 
 
 def _compiled_wins(weight: torch.Tensor, rows: int) -> bool:
-    """Whether the compiled kernel beats the batched matmul for this shape and row count (timed once)."""
+    """Whether the compiled kernel beats the batched matmul for this shape and row count (timed once).
+
+    int8 weights: up to the last row bucket, whenever it is built (measured: the batched matmul first
+    converts the whole matrix to float, 2 to 25 times slower at 1 to 64 rows); beyond, where that
+    conversion is paid once for many rows, the batched matmul, as for float32.
+    """
+    if weight.dtype == torch.int8:
+        return rows <= ROW_BUCKETS[-1] and kernels.available()
     key = (weight.shape[0], weight.shape[1])
     choices = _CHOICES.get(key)
     if choices is None:

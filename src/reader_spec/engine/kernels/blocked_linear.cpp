@@ -5,21 +5,36 @@
 // multiplied by every row of x, each row's 32 sums held in registers over the whole of K. Summation
 // runs over k in order for every row whatever the number of rows, so a token's output does not
 // depend on what else is in the pass.
+//
+// Two weight formats share the tiling: float32 (``blocked_linear``) and int8 with a float32 scale per
+// output column (``blocked_linear_int8``, W[n, k] = scale[n] * w[n, k]): each k's 32 int8 weights are
+// converted to float in registers, and the column sums are multiplied by the scales after the K loop.
+// int8 reads a quarter of the bytes, which is what a bandwidth-bound pass costs.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kPrefetch = 24;  // rows of the block ahead (3 KB)
+constexpr int64_t kPrefetchBytes = 3072;  // how far ahead in a block (24 k of float32, 96 of int8)
 typedef float Vec16 __attribute__((vector_size(64)));
 #ifdef __AVX512F__
-constexpr int kMaxRows = 8;  // 16 accumulators + 2 weight vectors of the 32 zmm registers
+constexpr int kMaxRows = 8;     // 16 accumulators + 2 weight vectors of the 32 zmm registers
+constexpr int kPairedRows = 3;  // two blocks side by side: 12 accumulators + 4 weight vectors
 #else
 constexpr int kMaxRows = 3;  // AVX2: each Vec16 is two ymm registers
+constexpr int kPairedRows = 1;
 #endif
 
 inline Vec16 load(const float* p) {
@@ -28,55 +43,111 @@ inline Vec16 load(const float* p) {
   return v;
 }
 
-template <int R>
-void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y,
-          int64_t ldy, int64_t columns) {
-  Vec16 low[R], high[R];
-  Vec16 bias_low = {}, bias_high = {};
-  if (bias != nullptr) {
-    float padded[kBlock] = {};
-    std::memcpy(padded, bias, columns * sizeof(float));
-    bias_low = load(padded);
-    bias_high = load(padded + 16);
+// The 32 weights of one k as floats: low holds columns 0..15, high 16..31.
+inline void load_weights(const float* w, Vec16& low, Vec16& high) {
+  low = load(w);
+  high = load(w + 16);
+}
+
+inline void load_weights(const int8_t* w, Vec16& low, Vec16& high) {
+#if defined(__AVX512F__)
+  // Sign-extend 16 bytes to 16 int32 lanes, then convert to float (exact: |w| <= 127).
+  low = (Vec16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+  high = (Vec16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))));
+#elif defined(__AVX2__)
+  // The same eight bytes at a time (each Vec16 is two ymm registers).
+  __m256 eighths[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * i));
+    eighths[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
   }
+  std::memcpy(&low, eighths, sizeof(low));
+  std::memcpy(&high, eighths + 2, sizeof(high));
+#else
+  // Portable: element by element (GCC's vector conversions of int8 are no faster here).
+  for (int c = 0; c < 16; ++c) {
+    low[c] = w[c];
+    high[c] = w[16 + c];
+  }
+#endif
+}
+
+// R rows of x times B blocks of 32 columns (w: the first block; the others follow at `block_stride`).
+// `columns`: how many of the B * 32 columns exist (only the matrix's last block may be partial);
+// `scales`: nullptr for float32 weights. Each column's sum is the same sequence of operations whatever
+// R and B are: they only decide how many independent sums are in flight.
+template <int R, int B, typename Weight>
+void tile(const float* x, int64_t ldx, const Weight* w, int64_t block_stride, int64_t k_size, const float* scales,
+          const float* bias, float* y, int64_t ldy, int64_t columns) {
+  constexpr int64_t kStep = kBlock * sizeof(Weight);  // bytes of one k of a block
+  constexpr int V = 2 * B;                            // Vec16 per row
+  Vec16 sums[R][V];
   for (int r = 0; r < R; ++r) {
-    low[r] = Vec16{};
-    high[r] = Vec16{};
+    for (int v = 0; v < V; ++v) sums[r][v] = Vec16{};
   }
   for (int64_t k = 0; k < k_size; ++k) {
-    __builtin_prefetch(w + (k + kPrefetch) * kBlock);
-    __builtin_prefetch(w + (k + kPrefetch) * kBlock + 16);
-    const Vec16 w_low = load(w + k * kBlock);
-    const Vec16 w_high = load(w + k * kBlock + 16);
+    Vec16 weights[V];
+    for (int b = 0; b < B; ++b) {
+      const Weight* w_k = w + b * block_stride + k * kBlock;
+      const char* bytes = reinterpret_cast<const char*>(w_k);
+      __builtin_prefetch(bytes + kPrefetchBytes);
+      if constexpr (kStep > 64) __builtin_prefetch(bytes + kPrefetchBytes + 64);
+      load_weights(w_k, weights[2 * b], weights[2 * b + 1]);
+    }
     for (int r = 0; r < R; ++r) {
       const float value = x[r * ldx + k];
-      low[r] += value * w_low;
-      high[r] += value * w_high;
+      for (int v = 0; v < V; ++v) sums[r][v] += value * weights[v];
     }
   }
+  // The tile's per-column scales (int8) and bias, zero past `columns`.
+  float scale[B * kBlock] = {}, shift[B * kBlock] = {};
+  if (scales != nullptr) std::memcpy(scale, scales, columns * sizeof(float));
+  if (bias != nullptr) std::memcpy(shift, bias, columns * sizeof(float));
   for (int r = 0; r < R; ++r) {
-    float out[kBlock];
-    low[r] += bias_low;  // after the sum, as a separate addition (what F.linear's bias does)
-    high[r] += bias_high;
-    std::memcpy(out, &low[r], sizeof(Vec16));
-    std::memcpy(out + 16, &high[r], sizeof(Vec16));
+    float out[B * kBlock];
+    for (int v = 0; v < V; ++v) std::memcpy(out + v * 16, &sums[r][v], sizeof(Vec16));
+    if (scales != nullptr) {
+      // int8: the column's scale, once per sum, then the bias, rounded once. std::fma is the same
+      // operation in every tile; `a * b + c` would be contracted into one by the compiler in some
+      // tiles and not others, and a row's outputs would depend on the rows beside it.
+      for (int c = 0; c < B * kBlock; ++c) out[c] = std::fma(out[c], scale[c], shift[c]);
+    } else {
+      // after the sum, as a separate addition (what F.linear's bias does)
+      for (int c = 0; c < B * kBlock; ++c) out[c] += shift[c];
+    }
     std::memcpy(y + r * ldy, out, columns * sizeof(float));
   }
 }
 
-template <int R = kMaxRows>
-void rows_tile(int rows, const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias,
-               float* y, int64_t ldy, int64_t columns) {
+// How many rows a tile of B blocks holds at most: its sums and one k's weights fill the registers.
+template <int B>
+constexpr int kRowsFor = B == 1 ? kMaxRows : kPairedRows;
+
+// `rows` (at most kRowsFor<B>) rows times B blocks, through the tile that holds exactly that many rows.
+template <int B, typename Weight, int R = kRowsFor<B>>
+void rows_tile(int rows, const float* x, int64_t ldx, const Weight* w, int64_t block_stride, int64_t k_size,
+               const float* scales, const float* bias, float* y, int64_t ldy, int64_t columns) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_tile<R - 1>(rows, x, ldx, w, k_size, bias, y, ldy, columns);
+    if (rows < R) {
+      return rows_tile<B, Weight, R - 1>(rows, x, ldx, w, block_stride, k_size, scales, bias, y, ldy, columns);
+    }
   }
-  tile<R>(x, ldx, w, k_size, bias, y, ldy, columns);
+  tile<R, B>(x, ldx, w, block_stride, k_size, scales, bias, y, ldy, columns);
 }
 
-at::Tensor blocked_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                          int64_t out_features) {
-  TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu(), "blocked_linear runs on the CPU");
-  TORCH_CHECK(input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "blocked_linear: float32 only");
+// Blocks per step of the column loop. A tile of int8 weights with few rows (kPairedRows: three, one
+// on AVX2) takes two blocks side by side: one block leaves too few independent sums in flight to hide
+// the multiply-add's latency behind the int8 conversion (about 15% at one row on matrices that stay in
+// cache). float32 always takes one block (its few-row passes wait on memory), as before int8 existed.
+template <typename Weight>
+constexpr int64_t kGroup = std::is_same_v<Weight, float> ? 1 : 2;
+
+// Both ops: checks, then every block of columns (in parallel) times every tile of rows.
+template <typename Weight>
+at::Tensor run_blocked(const char* name, const at::Tensor& input, const at::Tensor& weight, const float* scales,
+                       const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu(), name, " runs on the CPU");
+  TORCH_CHECK(input.scalar_type() == at::kFloat, name, ": float32 input only");
   TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kBlock && weight.is_contiguous(), "weight must be [blocks, K, 32]");
   const int64_t k_size = weight.size(1);
   TORCH_CHECK(input.size(-1) == k_size, "input has ", input.size(-1), " features, the weight ", k_size);
@@ -94,29 +165,66 @@ at::Tensor blocked_linear(const at::Tensor& input, const at::Tensor& weight, con
     bias_data = bias_contiguous.data_ptr<float>();
   }
   const float* x_data = x.data_ptr<float>();
-  const float* w_data = weight.data_ptr<float>();
+  const Weight* w_data = weight.data_ptr<Weight>();
   float* y_data = y.data_ptr<float>();
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
+  const int64_t block_stride = k_size * kBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t column = b * kBlock;
-      const int64_t columns = std::min(kBlock, out_features - column);
-      const float* w_block = w_data + b * k_size * kBlock;
-      const float* block_bias = bias_data == nullptr ? nullptr : bias_data + column;
+    for (int64_t group = begin; group < end; group += kGroup<Weight>) {
+      const int64_t width = std::min(kGroup<Weight>, end - group);  // blocks of this step
       for (int64_t r = 0; r < rows; r += kMaxRows) {
         const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r));
-        rows_tile(n, x_data + r * k_size, k_size, w_block, k_size, block_bias, y_data + r * out_features + column,
-                  out_features, columns);
+        const bool paired = width == 2 && n <= kPairedRows;
+        for (int64_t b = group; b < group + width; b += paired ? 2 : 1) {
+          const int64_t column = b * kBlock;
+          const int64_t columns = std::min((paired ? 2 : 1) * kBlock, out_features - column);
+          const Weight* w_block = w_data + b * block_stride;
+          const float* block_scales = scales == nullptr ? nullptr : scales + column;
+          const float* block_bias = bias_data == nullptr ? nullptr : bias_data + column;
+          const float* x_rows = x_data + r * k_size;
+          float* y_rows = y_data + r * out_features + column;
+          if constexpr (kGroup<Weight> == 2) {
+            if (paired) {
+              rows_tile<2>(n, x_rows, k_size, w_block, block_stride, k_size, block_scales, block_bias, y_rows,
+                           out_features, columns);
+              continue;
+            }
+          }
+          rows_tile<1>(n, x_rows, k_size, w_block, block_stride, k_size, block_scales, block_bias, y_rows,
+                       out_features, columns);
+        }
       }
     }
   });
   return y.view(out_shape);
 }
 
+at::Tensor blocked_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                          int64_t out_features) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "blocked_linear: float32 weight only");
+  return run_blocked<float>("blocked_linear", input, weight, nullptr, bias, out_features);
+}
+
+// scales: one float32 per output column, at least out_features of them (padding columns may follow).
+at::Tensor blocked_linear_int8(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales,
+                               const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar, "blocked_linear_int8: int8 weight only");
+  TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kFloat && scales.dim() == 1,
+              "blocked_linear_int8: scales must be a float32 vector on the CPU");
+  TORCH_CHECK(scales.numel() >= out_features, "blocked_linear_int8: fewer scales than out_features");
+  const at::Tensor scales_contiguous = scales.contiguous();
+  return run_blocked<int8_t>("blocked_linear_int8", input, weight, scales_contiguous.data_ptr<float>(), bias,
+                             out_features);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(reader_spec, m) {
   m.def("blocked_linear(Tensor input, Tensor weight, Tensor? bias, int out_features) -> Tensor");
+  m.def("blocked_linear_int8(Tensor input, Tensor weight, Tensor scales, Tensor? bias, int out_features) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(reader_spec, CPU, m) { m.impl("blocked_linear", &blocked_linear); }
+TORCH_LIBRARY_IMPL(reader_spec, CPU, m) {
+  m.impl("blocked_linear", &blocked_linear);
+  m.impl("blocked_linear_int8", &blocked_linear_int8);
+}
