@@ -169,3 +169,32 @@ def test_both_runners_give_the_same_output(capsys, tiny_llama_dir):
         assert code == 0
         outputs.append(json.loads(out)["requests"][0]["tokens"])
     assert outputs[0] == outputs[1] and len(outputs[0]) == 8
+
+
+@pytest.mark.parametrize(
+    "drafting",
+    [
+        ["--drafter", "model"],  # the int8 self-draft by default
+        ["--drafter", "rasd", "--rasd-top-k", "3"],
+        ["--draft-model", "DIR"],  # reader fused with another model of the same tokenizer
+    ],
+)
+def test_generate_with_a_draft_model_equals_plain_decoding(capsys, tiny_llama_dir, drafting):
+    drafting = [str(tiny_llama_dir) if arg == "DIR" else arg for arg in drafting]
+    code, out, _ = run(
+        capsys, "generate", "--model", str(tiny_llama_dir), "--prompt", "w3 w4 w5 w3 w4 w5 w3",
+        "--max-new-tokens", "10", "--compare", "--json", *drafting,
+    )  # fmt: skip
+    assert code == 0
+    assert json.loads(out)["summary"]["identical"] == 1
+
+
+def test_draft_model_errors_are_one_line(capsys, tiny_llama_dir, tiny_gpt2_dir):
+    base = ["generate", "--model", str(tiny_llama_dir), "--prompt", "w3 w4", "--max-new-tokens", "3"]
+    code, _, err = run(capsys, *base, "--drafter", "none", "--draft-model", "self")
+    assert code == 2 and "--draft-model needs a drafter" in err and err.count("\n") == 1
+    code, _, err = run(capsys, *base, "--draft-model", "/no/such/draft")
+    assert code == 2 and "no such file or directory" in err and err.count("\n") == 1
+    gpt2 = ["generate", "--model", str(tiny_gpt2_dir), "--prompt", "w3 w4", "--max-new-tokens", "3"]
+    code, _, err = run(capsys, *gpt2, "--drafter", "model")
+    assert code == 2 and "--draft-model self needs the fast runner" in err and err.count("\n") == 1

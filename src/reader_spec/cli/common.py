@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 
 from reader_spec.config import SAMPLING_FIELDS
-from reader_spec.drafters import ReaderDrafter
+from reader_spec.drafters import Drafter, ReaderDrafter
+from reader_spec.drafters.fusion import RASD_MIN_PROB, RASD_TOP_K, FusedDrafter
+from reader_spec.drafters.model import SELF, ModelDrafter, load_draft_model
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.drafters.retrieval.history import DEFAULT_MAX_TOKENS
 from reader_spec.engine.loop import DEFAULT_BUDGET, Engine
@@ -63,27 +65,66 @@ def add_drafting_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--drafter",
-        choices=["reader", "none"],
+        choices=["reader", "model", "rasd", "none"],
         default="reader",
-        help="reader: retrieval drafts from the request, earlier responses and --datastore; none: plain",
+        help="reader: retrieval drafts from the request, earlier responses and --datastore, with a "
+        "--draft-model's tree where it pays (READER); model: the draft model alone; rasd: the draft model's "
+        "tree with the retrieval branches it finds plausible (RASD); none: plain decoding",
+    )
+    parser.add_argument(
+        "--draft-model",
+        metavar="self|MODEL",
+        help="a draft model sharing the target's tokenizer: self (the target's weights in int8, no "
+        "download; the default of --drafter model and rasd) or a hub id, directory or .gguf",
     )
     parser.add_argument("--datastore", metavar="DIR", help="corpus datastore built by `reader index build`")
     parser.add_argument("--no-history", action="store_true", help="do not draft from earlier responses")
+    parser.add_argument(
+        "--rasd-top-k",
+        type=int,
+        default=RASD_TOP_K,
+        help=f"rasd: keep a retrieval branch if its first token is among the draft model's k likeliest "
+        f"({RASD_TOP_K})",
+    )
+    parser.add_argument(
+        "--rasd-min-prob",
+        type=float,
+        default=RASD_MIN_PROB,
+        help=f"rasd: ... and has at least this draft probability ({RASD_MIN_PROB})",
+    )
 
 
 def build_engine(args: argparse.Namespace, loaded: LoadedModel, max_batch_size: int) -> Engine:
-    """The engine the drafting options describe (a datastore of another tokenizer fails here)."""
-    drafter = None
-    if args.drafter == "reader":
-        datastore = Datastore.open(args.datastore, fingerprint=loaded.fingerprint) if args.datastore else None
-        drafter = ReaderDrafter(
-            history_tokens=0 if args.no_history else DEFAULT_MAX_TOKENS, datastore=datastore
-        )
+    """The engine the drafting options describe (a datastore of another tokenizer, or a draft model
+    of another tokenizer, fails here)."""
     return Engine(
         loaded,
-        drafter,
+        build_drafter(args, loaded),
         budget=args.budget,
         adaptive_budget=not args.fixed_budget,
         max_batch_size=max_batch_size,
         runner=args.runner,
     )
+
+
+def build_drafter(args: argparse.Namespace, loaded: LoadedModel) -> Drafter | None:
+    if args.drafter == "none":
+        if args.draft_model:
+            raise ValueError("--draft-model needs a drafter: --drafter reader, model or rasd")
+        return None
+    if args.rasd_top_k < 1 or not 0.0 <= args.rasd_min_prob <= 1.0:
+        raise ValueError("--rasd-top-k must be at least 1 and --rasd-min-prob in [0, 1]")
+    draft_spec = args.draft_model or (SELF if args.drafter in ("model", "rasd") else None)
+    model = None
+    if draft_spec is not None:
+        model = ModelDrafter(load_draft_model(draft_spec, loaded), runner=args.runner)
+    if args.drafter == "model":
+        return model
+    datastore = Datastore.open(args.datastore, fingerprint=loaded.fingerprint) if args.datastore else None
+    retrieval = ReaderDrafter(
+        history_tokens=0 if args.no_history else DEFAULT_MAX_TOKENS, datastore=datastore
+    )
+    if model is None:
+        return retrieval
+    mode = "rasd" if args.drafter == "rasd" else "reader"
+    return FusedDrafter(retrieval, model, mode, rasd_top_k=args.rasd_top_k, rasd_min_prob=args.rasd_min_prob)

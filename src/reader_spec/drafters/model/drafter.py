@@ -33,6 +33,7 @@ from reader_spec.loading import LoadedModel
 MODEL_SOURCE = "model"
 """The source label of the draft model's nodes."""
 
+EXPLORE_EVERY = 8
 INITIAL_ROWS = 4
 INITIAL_CAPACITY = 256
 
@@ -68,33 +69,37 @@ class ProbabilityCalibrator:
 
 @dataclass
 class PassTimer:
-    """Seconds of a draft pass by its number of tokens, learned from the passes run (a running
-    mean per count, interpolated between counts); None until a pass was timed."""
+    """Seconds of a draft pass by its number of tokens, learned from the passes run; None until one
+    was timed.
+
+    Each count keeps a running estimate that follows a faster pass at once and a slower one slowly:
+    the first passes (cold caches, kernel choice) and bursts of load from other processes only ever
+    add time. Between counts it interpolates; beyond the largest it extends the last two linearly
+    (flat with one), since a pass of a few more tokens costs about the same on a bandwidth-bound
+    machine.
+    """
 
     seconds: dict[int, float] = field(default_factory=dict)
 
     def record(self, tokens: int, seconds: float) -> None:
         old = self.seconds.get(tokens)
-        self.seconds[tokens] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self.seconds[tokens] = seconds if old is None or seconds < old else 0.9 * old + 0.1 * seconds
 
     def __call__(self, tokens: int) -> float | None:
         if not self.seconds:
             return None
         known = sorted(self.seconds)
-        below = [k for k in known if k <= tokens]
-        above = [k for k in known if k >= tokens]
-        if not below:
+        if tokens <= known[0]:
             return self.seconds[known[0]]
-        if not above:
-            return (
-                self.seconds[known[-1]] * tokens / known[-1]
-                if tokens > 2 * known[-1]
-                else self.seconds[known[-1]]
-            )
-        lo, hi = below[-1], above[0]
-        if lo == hi:
-            return self.seconds[lo]
-        return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (tokens - lo) / (hi - lo)
+        above = next((k for k in known if k >= tokens), None)
+        if above is None:
+            if len(known) == 1:
+                return self.seconds[known[0]]
+            lo, hi = known[-2], known[-1]
+        else:
+            lo, hi = max(k for k in known if k < tokens), above
+        slope = (self.seconds[hi] - self.seconds[lo]) / (hi - lo)
+        return self.seconds[lo] + max(0.0, slope) * (tokens - lo)
 
 
 @dataclass
@@ -171,8 +176,12 @@ class ModelDrafter:
         self.runner_kind = runner
         self.calibrate = ProbabilityCalibrator()
         self.pass_seconds = PassTimer()
-        self._first_child = 0.5
-        """Running mean of the calibrated probability of each step's likeliest first draft token."""
+        self._skipped = 0
+        """Steps since the draft model last ran: every ``EXPLORE_EVERY``-th runs it regardless, so that
+        estimates learned in other conditions (a warm-up, another kind of text) are refreshed."""
+        self._typical: tuple[list[float], float] | None = None
+        """What running the draft model recently gave: a sequence's proposal probabilities (running
+        mean by rank) and the levels grown; the first pass is priced as the whole tree it leads to."""
         self.root_distributions: dict[Hashable, torch.Tensor] = {}
         """The draft model's next-token probabilities at each request's root, from its last step
         (RASD prunes retrieval branches with them)."""
@@ -246,14 +255,15 @@ class ModelDrafter:
             self._requests[request].pending = None
         if max_nodes <= 0 or not requests:
             return [EMPTY_PROPOSAL] * len(requests)
-        pricing = _Pricing(verify_seconds, self.pass_seconds, len(requests), alongside)
-        if not pricing.worth_a_pass(
-            self._first_level_gains(alongside or [None] * len(requests)), self._catch_up_tokens(requests)
-        ):
+        pricing = _Pricing(verify_seconds, len(requests), alongside)
+        self._skipped += 1
+        if self._skipped < EXPLORE_EVERY and not self._worth_running(requests, alongside, pricing):
             return [EMPTY_PROPOSAL] * len(requests)
+        self._skipped = 0
         order = sorted(range(len(requests)), key=lambda i: self._requests[requests[i]].row)
         states = [self._requests[requests[i]] for i in order]
-        trees = self._first_level(states, [requests[i] for i in order])
+        trees = self._first_level(states, [requests[i] for i in order], pricing)
+        levels = 1
         for _ in range(1, min(self.max_depth, max_nodes)):
             chosen = [self._frontier(tree) for tree in trees]
             if not any(chosen):
@@ -261,9 +271,10 @@ class ModelDrafter:
             pricing.add_nodes([tree.probs[n] for tree in trees for n in tree.frontier])
             ratio = self._child_ratio(trees)
             gains = [trees[b].probs[n] * ratio for b, nodes in enumerate(chosen) for n in nodes]
-            if not pricing.worth_a_pass(gains, sum(map(len, chosen))):
+            if not pricing.worth(gains, self.pass_seconds(sum(map(len, chosen)))):
                 break
-            self._grow(states, trees, chosen)
+            self._grow(states, trees, chosen, pricing)
+            levels += 1
         for state in states:
             self._runner.cache.lengths[state.row] = state.cached  # drop the levels' entries
         proposals: list[Proposal] = [EMPTY_PROPOSAL] * len(requests)
@@ -271,34 +282,52 @@ class ModelDrafter:
             proposal, raw = tree.proposal(max_nodes)
             state.pending = (proposal, raw)
             proposals[i] = proposal
+        self._remember(proposals, levels)
         return proposals
 
-    def _catch_up_tokens(self, requests: Sequence[Hashable]) -> int:
-        return sum(len(s.text) - s.cached for s in map(self._requests.__getitem__, requests))
+    def _remember(self, proposals: list[Proposal], levels: int) -> None:
+        ranks = max(map(len, proposals))
+        probs = [sum(p.probs[r] for p in proposals if r < len(p)) / len(proposals) for r in range(ranks)]
+        if self._typical is not None:
+            old = self._typical[0] + [0.0] * (ranks - len(self._typical[0]))
+            probs = [(a + b) / 2 for a, b in zip(old, probs + [0.0] * (len(old) - ranks), strict=True)]
+        self._typical = (probs, levels)
 
-    def _first_level_gains(self, alongside: Sequence[Proposal | None]) -> list[float]:
-        """Per sequence, the expected accepted tokens the root's likeliest child would add: what it
-        was recently, less what another drafter already proposes there."""
+    def _worth_running(
+        self, requests: Sequence[Hashable], alongside: Sequence[Proposal] | None, pricing: _Pricing
+    ) -> bool:
+        """Whether the tree the draft model typically grows would raise this step's rate, where it adds
+        to what other drafters propose (scaled down by their confidence in the root's first child)."""
+        if self._typical is None:
+            return True  # nothing drafted yet: worth a try
+        probs, levels = self._typical
+        # The first pass is priced at one token per sequence: tokens left to catch up on are paid for
+        # whenever the draft model runs next, so they must not argue for skipping it again.
+        first = self.pass_seconds(len(requests))
+        later = self.pass_seconds(self.expand * len(requests))
+        if first is None or later is None:
+            return True
         gains = []
-        for proposal in alongside:
-            best = 0.0
+        for proposal in alongside or [None] * len(requests):
+            sure = 0.0
             if proposal is not None:
-                best = max(
+                sure = max(
                     (p for p, up in zip(proposal.probs, proposal.parents, strict=True) if up < 0), default=0.0
                 )
-            gains.append(max(0.0, self._first_child - best))
-        return gains
+            gains += [p * (1.0 - sure) for p in probs]
+        return pricing.worth(gains, first + (levels - 1) * later)
 
     def _child_ratio(self, trees: list[_Tree]) -> float:
         """Calibrated probability mass a node's children carry, relative to the node (last level's)."""
         mass = parents = 0.0
         for tree in trees:
-            for node in tree.frontier:
-                mass += tree.probs[node]
-                parents += tree.probs[tree.parents[node]]
+            mass += sum(tree.probs[node] for node in tree.frontier)
+            parents += sum(tree.probs[parent] for parent in {tree.parents[node] for node in tree.frontier})
         return mass / parents if parents else 0.0
 
-    def _first_level(self, states: list[_Request], requests: list[Hashable]) -> list[_Tree]:
+    def _first_level(
+        self, states: list[_Request], requests: list[Hashable], pricing: _Pricing
+    ) -> list[_Tree]:
         """Catch every sequence's cache up with its text (one pass; a new request's prompt is
         prefilled first) and give the root its children."""
         runner = self._runner
@@ -314,6 +343,7 @@ class ModelDrafter:
         logits = self._timed(
             lambda: runner.extend([s.row for s in states], tokens, positions, masks, last_only=True),
             sum(map(len, tokens)),
+            pricing,
         )
         trees = []
         for state, request, row_logits in zip(states, requests, logits, strict=True):
@@ -324,7 +354,6 @@ class ModelDrafter:
             tree = _Tree()
             probs, tokens_ = distribution.topk(self.branching)
             tree.add_children(0, probs, tokens_, self.calibrate)
-            self._first_child = 0.9 * self._first_child + 0.1 * tree.probs[1]
             trees.append(tree)
         return trees
 
@@ -332,7 +361,9 @@ class ModelDrafter:
         """The newest level's ``expand`` nodes of highest path probability."""
         return heapq.nlargest(self.expand, tree.frontier, key=lambda n: tree.probs[n])
 
-    def _grow(self, states: list[_Request], trees: list[_Tree], chosen: list[list[int]]) -> None:
+    def _grow(
+        self, states: list[_Request], trees: list[_Tree], chosen: list[list[int]], pricing: _Pricing
+    ) -> None:
         """One pass over the chosen nodes of every sequence; each gets its children."""
         runner = self._runner
         live = [b for b, nodes in enumerate(chosen) if nodes]
@@ -351,7 +382,9 @@ class ModelDrafter:
             positions.append(torch.tensor([state.cached - 1 + tree.depths[n] for n in nodes]))
             masks.append(mask)
         rows = [states[b].row for b in live]
-        logits = self._timed(lambda: runner.extend(rows, tokens, positions, masks), sum(map(len, tokens)))
+        logits = self._timed(
+            lambda: runner.extend(rows, tokens, positions, masks), sum(map(len, tokens)), pricing
+        )
         for b, row_logits in zip(live, logits, strict=True):
             tree, nodes = trees[b], chosen[b]
             runner.cache.lengths[states[b].row] += len(nodes)
@@ -364,11 +397,13 @@ class ModelDrafter:
             if not chosen[b]:
                 trees[b].frontier = []
 
-    def _timed(self, run, tokens: int):
+    def _timed(self, run, tokens: int, pricing: _Pricing):
         started = time.perf_counter()
         result = run()
         self._synchronize()
-        self.pass_seconds.record(tokens, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.pass_seconds.record(tokens, seconds)
+        pricing.spent += seconds
         return result
 
     def _ensure_runner(self) -> ModelRunner:
@@ -390,12 +425,10 @@ class _Pricing:
     def __init__(
         self,
         verify_seconds: Sequence[float] | None,
-        pass_seconds: PassTimer,
         batch: int,
         alongside: Sequence[Proposal] | None,
     ) -> None:
         self.verify_seconds = verify_seconds
-        self.pass_seconds = pass_seconds
         self.batch = batch
         self.probs = sorted((p for proposal in alongside or () for p in proposal.probs), reverse=True)
         self.spent = 0.0
@@ -410,17 +443,13 @@ class _Pricing:
             best = max(best, expected / (spent + self.verify_seconds[k]))
         return best
 
-    def worth_a_pass(self, gains: Sequence[float], tokens: int) -> bool:
-        """Whether a pass over ``tokens`` tokens, expected to add nodes accepted with probabilities
-        ``gains``, raises the step's best rate (it is then counted as spent)."""
+    def worth(self, gains: Sequence[float], seconds: float | None) -> bool:
+        """Whether drafting for ``seconds`` more, expected to add nodes accepted with probabilities
+        ``gains``, raises the step's best rate (None: not timed yet, so run it and learn)."""
         if self.verify_seconds is None:
             return any(g > 0 for g in gains)
-        seconds = self.pass_seconds(tokens)
         if seconds is None:
-            return True  # nothing timed yet: run, and learn what a pass costs
+            return True
         without = self._best_rate(self.probs, self.spent)
         hoped = sorted([*self.probs, *gains], reverse=True)
-        if self._best_rate(hoped, self.spent + seconds) <= without:
-            return False
-        self.spent += seconds
-        return True
+        return self._best_rate(hoped, self.spent + seconds) > without
