@@ -1,7 +1,15 @@
 """reader-spec: lossless speculative decoding with retrieval drafts and tree verification."""
 
 from reader_spec.config import GenerationConfig
-from reader_spec.drafters import Drafter, PromptLookupDrafter, ReaderDrafter, SuffixDecodingDrafter
+from reader_spec.drafters import (
+    Drafter,
+    FusedDrafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    ReaderDrafter,
+    SuffixDecodingDrafter,
+    load_draft_model,
+)
 from reader_spec.drafters.retrieval.datastore import Datastore, DatastoreError
 from reader_spec.engine.loop import Engine, Output, RequestStats
 from reader_spec.engine.tree import DraftTree, Proposal
@@ -13,8 +21,10 @@ __all__ = [
     "DraftTree",
     "Drafter",
     "Engine",
+    "FusedDrafter",
     "GenerationConfig",
     "LoadedModel",
+    "ModelDrafter",
     "ModelLoadError",
     "Output",
     "PromptLookupDrafter",
@@ -22,5 +32,6 @@ __all__ = [
     "ReaderDrafter",
     "RequestStats",
     "SuffixDecodingDrafter",
+    "load_draft_model",
     "load_model",
 ]

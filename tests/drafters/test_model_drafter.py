@@ -174,3 +174,24 @@ def test_propose_batch_rows_grow_beyond_the_first_allocation(tiny, same_draft, p
 
 def test_greedy_config_helper():
     assert NO_EOS.max_new_tokens == 40 and GenerationConfig().temperature == 0.0
+
+
+def test_step_chooser_learns_which_arm_pays_per_bucket():
+    from reader_spec.drafters.fusion import StepChooser, StepTrial
+
+    chooser = StepChooser(explore_every=5)
+    clock, batch = 0.0, frozenset({"r"})
+    picks = []
+    for _ in range(60):
+        bucket, with_model = chooser.choose(expected=0.1)  # retrieval expects almost nothing
+        picks.append(with_model)
+        chooser.start(StepTrial(bucket, with_model, clock, batch))
+        chooser.record(3 if with_model else 1)  # the model's steps emit 3 tokens, retrieval's 1
+        clock += 0.05 if with_model else 0.03  # at a higher cost: 60 tokens/s against 33
+    assert set(picks[:6]) == {True, False}  # both arms tried first
+    late = picks[30:]
+    assert sum(late) >= len(late) - len(late) // 5 - 1  # then the model, but for exploration
+    # a step after which the batch changed (a prefill may have run) is not counted
+    trials = sum(stats[2] for stats in chooser._rates.values())
+    chooser.start(StepTrial(0, True, clock + 5.0, frozenset({"r", "other"})))
+    assert sum(stats[2] for stats in chooser._rates.values()) == trials

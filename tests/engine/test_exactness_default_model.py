@@ -1,6 +1,7 @@
 """End to end on the default model: speculative output equals plain output, greedy and sampled.
 
 The drafter has every source on: the request's own text, earlier responses, and a corpus datastore.
+The int8 self-draft runs the same checks, fused with that drafter both ways and alone (sampled).
 
 40 Spec-Bench prompts covering all 13 categories, 128 new tokens each, at batch 1 and at batch 8
 with categories (and so prompt lengths) mixed in every batch, against plain decoding of the same
@@ -23,6 +24,8 @@ import torch
 from reader_spec.bench.spec_bench import interleave_categories, load_questions, per_category
 from reader_spec.config import GenerationConfig
 from reader_spec.drafters import ReaderDrafter
+from reader_spec.drafters.fusion import FusedDrafter
+from reader_spec.drafters.model import ModelDrafter, self_draft
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.engine.loop import Engine
 from reader_spec.engine.sampling import gumbel_noise, support
@@ -168,4 +171,33 @@ def test_seeded_sampling_equals_plain_sampling(
     label = f"sampling batch {batch_size}"
     got = [o.tokens for o in outputs]
     assert_same_or_near_tie(smollm, prompts, questions, plain_sampled[shift], got, label, configs)
+    assert sum(o.stats.accepted for o in outputs) > 100
+
+
+# --- the int8 self-draft, fused with retrieval --------------------------------------------------------
+@pytest.fixture(scope="module")
+def self_draft_model(smollm):
+    return self_draft(smollm)
+
+
+@pytest.mark.parametrize(("mode", "batch_size"), [("reader", 1), ("rasd", 8)])
+def test_self_draft_fusions_equal_plain(
+    smollm, smollm_engine, prompts, questions, plain, drafter, self_draft_model, mode, batch_size
+):
+    fused = FusedDrafter(drafter(), ModelDrafter(self_draft_model), mode)
+    outputs = Engine(smollm_engine, fused).generate(prompts, CONFIG, batch_size=batch_size)
+    label = f"{mode} fusion with the self-draft, batch {batch_size}"
+    assert_same_or_near_tie(smollm, prompts, questions, plain, [o.tokens for o in outputs], label)
+    assert sum(o.stats.accepted_by_source.get("model", 0) for o in outputs) > 200
+
+
+def test_self_draft_seeded_sampling_equals_plain_sampling(
+    smollm, smollm_engine, prompts, questions, plain_sampled, self_draft_model
+):
+    configs = sampled_configs(questions, 1)
+    outputs = Engine(smollm_engine, ModelDrafter(self_draft_model)).generate(prompts, configs, batch_size=8)
+    got = [o.tokens for o in outputs]
+    assert_same_or_near_tie(
+        smollm, prompts, questions, plain_sampled[1], got, "self-draft sampling batch 8", configs
+    )
     assert sum(o.stats.accepted for o in outputs) > 100

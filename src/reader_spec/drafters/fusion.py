@@ -6,8 +6,9 @@ is not taken as independent evidence), labelled with that tree's source. Nodes a
 probability, parents first, and the engine's budget cuts the list.
 
 - ``reader`` (READER): the draft model's tree grown with every retrieval branch; the draft model
-  runs only in steps where its expected accepted tokens pay for its passes beside the retrieval tree
-  (a long, sure match may fill the tree alone).
+  runs only in steps where it pays beside the retrieval tree (a long, sure match may fill the tree
+  alone). Whether it pays is learned from outcomes (:class:`StepChooser`): the tokens per second
+  of steps drafted both ways, by how much the retrieval tree alone expects to be accepted.
 - ``rasd`` (RASD): the draft model runs every step; a retrieval branch is kept only when the draft
   model finds its first token plausible (among its ``rasd_top_k`` likeliest, with probability at
   least ``rasd_min_prob``), then the trees are merged.
@@ -15,7 +16,9 @@ probability, parents first, and the engine's budget cuts the list.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
 from reader_spec.drafters.model.drafter import ModelDrafter
 from reader_spec.drafters.reader import ReaderDrafter
@@ -95,6 +98,74 @@ def _paths(proposal: Proposal) -> list[tuple[int, ...]]:
     return paths
 
 
+EXPECTATION_BOUNDS = (0.25, 0.5, 1.0, 2.0, 4.0)
+"""Buckets of the retrieval tree's expected accepted tokens per sequence, for :class:`StepChooser`."""
+
+
+@dataclass
+class StepTrial:
+    """One step as a trial of an arm: its bucket, whether the draft model ran, when it started, the
+    requests it drafted for and the tokens they emitted."""
+
+    bucket: int
+    with_model: bool
+    started: float
+    requests: frozenset[Hashable]
+    emitted: int = 0
+
+
+@dataclass
+class StepChooser:
+    """Learns whether running the draft model beside retrieval pays, from the steps themselves.
+
+    Predicting a draft model's worth from its calibrated probabilities, timed passes and the cost
+    model proved too optimistic (measured: the fused drafter ran the model in steps where retrieval
+    alone was faster). So each step is one trial of an arm (retrieval alone, or with the draft model)
+    in the bucket of the retrieval tree's expected accepted tokens; its outcome is the tokens the step
+    emitted over its wall time, from this step's drafting to the next's (a step after which the batch
+    changed, where a prefill may have run, is not counted). The arm with the better rate so far is
+    chosen, each arm is tried ``min_trials`` times per bucket first, and every ``explore_every``-th
+    step of a bucket tries the other arm, so that a change in the text is noticed. Old trials fade
+    (``decay``).
+    """
+
+    min_trials: int = 3
+    explore_every: int = 10
+    decay: float = 0.97
+    _rates: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
+    """(bucket, with model) -> [tokens, seconds, trials], decayed."""
+    _visits: dict[int, int] = field(default_factory=dict)
+    _step: StepTrial | None = None
+
+    def choose(self, expected: float) -> tuple[int, bool]:
+        bucket = sum(expected > bound for bound in EXPECTATION_BOUNDS)
+        visits = self._visits[bucket] = self._visits.get(bucket, 0) + 1
+        without, with_model = (self._rates.get((bucket, arm), [0.0, 0.0, 0.0]) for arm in (False, True))
+        if min(without[2], with_model[2]) < self.min_trials:
+            return bucket, with_model[2] <= without[2]
+        better = with_model[0] / with_model[1] > without[0] / without[1]
+        return bucket, better != (visits % self.explore_every == 0)
+
+    def record(self, emitted: int) -> None:
+        """Tokens a sequence of the current step emitted."""
+        if self._step is not None:
+            self._step.emitted += emitted
+
+    def start(self, step: StepTrial) -> None:
+        """A new step begins: the last one is counted if the batch did not change in between."""
+        last, self._step = self._step, step
+        if last is None or not last.emitted or last.requests != step.requests:
+            return
+        seconds = step.started - last.started
+        for key, stats in self._rates.items():
+            if key[0] == last.bucket:
+                stats[:] = [value * self.decay for value in stats]
+        stats = self._rates.setdefault((last.bucket, last.with_model), [0.0, 0.0, 0.0])
+        stats[0] += last.emitted
+        stats[1] += seconds
+        stats[2] += 1
+
+
 class FusedDrafter:
     """A :class:`ReaderDrafter` and a :class:`ModelDrafter` as one ``Drafter`` (``mode``: ``reader``
     or ``rasd``, see the module)."""
@@ -115,6 +186,7 @@ class FusedDrafter:
         self.mode = mode
         self.rasd_top_k = rasd_top_k
         self.rasd_min_prob = rasd_min_prob
+        self.chooser = StepChooser()
         self._parts: dict[Hashable, tuple[Proposal, Proposal, Proposal]] = {}
 
     def check_target(self, target) -> None:
@@ -139,9 +211,10 @@ class FusedDrafter:
     def propose_batch(
         self, requests: Sequence[Hashable], max_nodes: int, verify_seconds: Sequence[float] | None = None
     ) -> list[Proposal]:
+        started = time.perf_counter()
         retrieved = [self.retrieval.propose(request, max_nodes) for request in requests]
         if self.mode == "reader":
-            drafted = self.model.propose_batch(requests, max_nodes, verify_seconds, alongside=retrieved)
+            drafted = self._reader_model(requests, retrieved, max_nodes, verify_seconds, started)
             kept = retrieved
         else:
             drafted = self.model.propose_batch(requests, max_nodes)
@@ -152,6 +225,27 @@ class FusedDrafter:
             self._parts[request] = (merged, parts[1], parts[2])  # feedback goes to what each proposed
             fused.append(merged)
         return fused
+
+    def _reader_model(
+        self,
+        requests: Sequence[Hashable],
+        retrieved: list[Proposal],
+        max_nodes: int,
+        verify_seconds: Sequence[float] | None,
+        started: float,
+    ) -> list[Proposal]:
+        """The draft model's trees where the chooser says the model pays this step (else none)."""
+        if verify_seconds is None:  # not priced: always both
+            return self.model.propose_batch(requests, max_nodes, alongside=retrieved, first_level=True)
+        expected = sum(sum(p.probs) for p in retrieved) / len(requests)
+        bucket, with_model = self.chooser.choose(expected)
+        drafted = [EMPTY_PROPOSAL] * len(requests)
+        if with_model:
+            drafted = self.model.propose_batch(
+                requests, max_nodes, verify_seconds, alongside=retrieved, first_level=True
+            )
+        self.chooser.start(StepTrial(bucket, with_model, started, frozenset(requests)))
+        return drafted
 
     def _prune(self, request: Hashable, proposal: Proposal) -> Proposal:
         distribution = self.model.root_distributions.get(request)
@@ -168,6 +262,7 @@ class FusedDrafter:
         parts = self._parts.pop(request, None)
         if parts is None or proposal != parts[0].truncated(len(proposal)):
             return
+        self.chooser.record(len(accepted) + 1)
         for drafter, part in ((self.retrieval, parts[1]), (self.model, parts[2])):
             verified, hits = sub_feedback(part, proposal, accepted)
             drafter.observe(request, verified, hits)

@@ -34,6 +34,8 @@ MODEL_SOURCE = "model"
 """The source label of the draft model's nodes."""
 
 EXPLORE_EVERY = 8
+PREFILL_SPREAD = 32
+"""Steps a request's draft prefill is spread over when deciding to start drafting for it."""
 INITIAL_ROWS = 4
 INITIAL_CAPACITY = 256
 
@@ -179,6 +181,7 @@ class ModelDrafter:
         self._skipped = 0
         """Steps since the draft model last ran: every ``EXPLORE_EVERY``-th runs it regardless, so that
         estimates learned in other conditions (a warm-up, another kind of text) are refreshed."""
+        self._prefill_per_token: float | None = None
         self._typical: tuple[list[float], float] | None = None
         """What running the draft model recently gave: a sequence's proposal probabilities (running
         mean by rank) and the levels grown; the first pass is priced as the whole tree it leads to."""
@@ -244,12 +247,14 @@ class ModelDrafter:
         max_nodes: int,
         verify_seconds: Sequence[float] | None = None,
         alongside: Sequence[Proposal] | None = None,
+        first_level: bool | None = None,
     ) -> list[Proposal]:
         """Each request's tree, at most ``max_nodes`` nodes, from one pass per level for the batch.
 
         ``verify_seconds[n]`` prices a verification of ``n`` draft tokens over the whole batch (None:
         grow every level); ``alongside`` are other drafters' proposals for the same step (a fused
-        drafter's retrieval), which the draft model must improve on to be run at all.
+        drafter's retrieval), which the draft model must improve on to be run at all;
+        ``first_level`` decides that instead (True: run), for a caller that learns it otherwise.
         """
         for request in requests:
             self._requests[request].pending = None
@@ -257,7 +262,9 @@ class ModelDrafter:
             return [EMPTY_PROPOSAL] * len(requests)
         pricing = _Pricing(verify_seconds, len(requests), alongside)
         self._skipped += 1
-        if self._skipped < EXPLORE_EVERY and not self._worth_running(requests, alongside, pricing):
+        if first_level is None:
+            first_level = self._skipped >= EXPLORE_EVERY or self._worth_running(requests, alongside, pricing)
+        if not first_level:
             return [EMPTY_PROPOSAL] * len(requests)
         self._skipped = 0
         order = sorted(range(len(requests)), key=lambda i: self._requests[requests[i]].row)
@@ -296,8 +303,14 @@ class ModelDrafter:
     def _worth_running(
         self, requests: Sequence[Hashable], alongside: Sequence[Proposal] | None, pricing: _Pricing
     ) -> bool:
-        """Whether the tree the draft model typically grows would raise this step's rate, where it adds
-        to what other drafters propose (scaled down by their confidence in the root's first child)."""
+        """Whether the step's best rate is higher with the tree the draft model typically grows than
+        with the other drafters' proposals alone.
+
+        Both trees mostly propose the same continuation where both are right, so each sequence is
+        priced with the likelier of the two (by expected accepted tokens, the sum of its path
+        probabilities), not their union. Prompts the draft model has not read yet add their prefill,
+        spread over ``PREFILL_SPREAD`` steps.
+        """
         if self._typical is None:
             return True  # nothing drafted yet: worth a try
         probs, levels = self._typical
@@ -305,17 +318,15 @@ class ModelDrafter:
         # whenever the draft model runs next, so they must not argue for skipping it again.
         first = self.pass_seconds(len(requests))
         later = self.pass_seconds(self.expand * len(requests))
-        if first is None or later is None:
+        unread = sum(len(s.text) for s in map(self._requests.__getitem__, requests) if s.cached == 0)
+        if first is None or later is None or (unread and self._prefill_per_token is None):
             return True
-        gains = []
+        seconds = first + (levels - 1) * later + unread * (self._prefill_per_token or 0.0) / PREFILL_SPREAD
+        nodes: list[float] = []
         for proposal in alongside or [None] * len(requests):
-            sure = 0.0
-            if proposal is not None:
-                sure = max(
-                    (p for p, up in zip(proposal.probs, proposal.parents, strict=True) if up < 0), default=0.0
-                )
-            gains += [p * (1.0 - sure) for p in probs]
-        return pricing.worth(gains, first + (levels - 1) * later)
+            own = list(proposal.probs) if proposal is not None else []
+            nodes += probs if sum(probs) > sum(own) else own
+        return pricing.better(nodes, seconds)
 
     def _child_ratio(self, trees: list[_Tree]) -> float:
         """Calibrated probability mass a node's children carry, relative to the node (last level's)."""
@@ -333,7 +344,12 @@ class ModelDrafter:
         runner = self._runner
         for state in states:
             if state.cached == 0 and len(state.text) > 1:
+                started = time.perf_counter()
                 runner.prefill(state.row, state.text[:-1])
+                self._synchronize()
+                per_token = (time.perf_counter() - started) / (len(state.text) - 1)
+                if self._prefill_per_token is None or per_token < self._prefill_per_token:
+                    self._prefill_per_token = per_token
                 state.cached = len(state.text) - 1
             runner.cache.lengths[state.row] = state.cached
             runner.cache.reserve(len(state.text) + self.max_depth * self.expand + 1)
@@ -442,6 +458,13 @@ class _Pricing:
             expected += p
             best = max(best, expected / (spent + self.verify_seconds[k]))
         return best
+
+    def better(self, nodes: Sequence[float], seconds: float) -> bool:
+        """Whether ``nodes`` after ``seconds`` more of drafting beat the nodes known now."""
+        if self.verify_seconds is None:
+            return True
+        with_them = self._best_rate(sorted(nodes, reverse=True), self.spent + seconds)
+        return with_them > self._best_rate(self.probs, self.spent)
 
     def worth(self, gains: Sequence[float], seconds: float | None) -> bool:
         """Whether drafting for ``seconds`` more, expected to add nodes accepted with probabilities
