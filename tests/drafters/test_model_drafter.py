@@ -195,3 +195,16 @@ def test_step_chooser_learns_which_arm_pays_per_bucket():
     trials = sum(stats[2] for stats in chooser._rates.values())
     chooser.start(StepTrial(0, True, clock + 5.0, frozenset({"r", "other"})))
     assert sum(stats[2] for stats in chooser._rates.values()) == trials
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_a_prompt_window_shorter_than_the_prompts_stays_exact_and_drafts(
+    tiny, prompts, plain, same_draft, batch_size
+):
+    """The draft model reads the last 5 prompt tokens only: its drafts change, the output does not."""
+    engine = Engine(tiny, ModelDrafter(same_draft, max_depth=4, prompt_window=5), budget=8, costs=FLAT_COSTS)
+    outputs = engine.generate(prompts, NO_EOS, batch_size=batch_size)
+    assert [o.tokens for o in outputs] == [o.tokens for o in plain]
+    assert sum(o.stats.accepted for o in outputs) > 40
+    with pytest.raises(ValueError, match="prompt_window"):
+        ModelDrafter(same_draft, prompt_window=0)

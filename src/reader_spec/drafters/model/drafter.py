@@ -34,6 +34,11 @@ MODEL_SOURCE = "model"
 """The source label of the draft model's nodes."""
 
 EXPLORE_EVERY = 8
+PROMPT_WINDOW = 256
+"""Most prompt tokens the draft model reads (the last ones). Reading a prompt costs the draft model
+about what it costs the target (prefill is compute-bound, int8 or not), which at batch 8 doubled
+prefill (measured: 234 ms a request against the target's 242); retrieval covers copying from
+further back."""
 PREFILL_SPREAD = 32
 """Steps a request's draft prefill is spread over when deciding to start drafting for it."""
 INITIAL_ROWS = 4
@@ -147,7 +152,9 @@ class _Request:
     row: int
     text: list[int]
     cached: int = 0
-    """Tokens of ``text`` in the draft model's cache."""
+    """Tokens of ``text`` read by the draft model (``text[start:cached]`` is in its cache)."""
+    start: int = 0
+    """Where the draft model's view of the text begins (``prompt_window`` cuts long prompts)."""
     pending: tuple[Proposal, tuple[float, ...]] | None = None
 
 
@@ -156,7 +163,8 @@ class ModelDrafter:
     batch in one call (``propose_batch``).
 
     Per level, the ``expand`` frontier nodes of highest path probability of each sequence get their
-    ``branching`` likeliest children, for up to ``max_depth`` levels. With verification costs
+    ``branching`` likeliest children, for up to ``max_depth`` levels; it reads the last ``prompt_window``
+    tokens of each prompt and everything after. With verification costs
     (``propose_batch``'s ``verify_seconds``), levels stop when the next would not pay for its pass.
     """
 
@@ -167,14 +175,16 @@ class ModelDrafter:
         branching: int = 4,
         expand: int = 4,
         max_depth: int = 8,
+        prompt_window: int = PROMPT_WINDOW,
         runner: str = "auto",
     ) -> None:
-        if branching < 1 or expand < 1 or max_depth < 1:
-            raise ValueError("branching, expand and max_depth must be at least 1")
+        if min(branching, expand, max_depth, prompt_window) < 1:
+            raise ValueError("branching, expand, max_depth and prompt_window must be at least 1")
         self.draft = draft
         self.branching = branching
         self.expand = expand
         self.max_depth = max_depth
+        self.prompt_window = prompt_window
         self.runner_kind = runner
         self.calibrate = ProbabilityCalibrator()
         self.pass_seconds = PassTimer()
@@ -283,7 +293,7 @@ class ModelDrafter:
             self._grow(states, trees, chosen, pricing)
             levels += 1
         for state in states:
-            self._runner.cache.lengths[state.row] = state.cached  # drop the levels' entries
+            self._runner.cache.lengths[state.row] = state.cached - state.start  # drop the levels' entries
         proposals: list[Proposal] = [EMPTY_PROPOSAL] * len(requests)
         for i, state, tree in zip(order, states, trees, strict=True):
             proposal, raw = tree.proposal(max_nodes)
@@ -318,7 +328,11 @@ class ModelDrafter:
         # whenever the draft model runs next, so they must not argue for skipping it again.
         first = self.pass_seconds(len(requests))
         later = self.pass_seconds(self.expand * len(requests))
-        unread = sum(len(s.text) for s in map(self._requests.__getitem__, requests) if s.cached == 0)
+        unread = sum(
+            min(len(s.text), self.prompt_window)
+            for s in map(self._requests.__getitem__, requests)
+            if not s.cached
+        )
         if first is None or later is None or (unread and self._prefill_per_token is None):
             return True
         seconds = first + (levels - 1) * later + unread * (self._prefill_per_token or 0.0) / PREFILL_SPREAD
@@ -344,17 +358,20 @@ class ModelDrafter:
         runner = self._runner
         for state in states:
             if state.cached == 0 and len(state.text) > 1:
+                state.start = max(0, len(state.text) - 1 - self.prompt_window)
                 started = time.perf_counter()
-                runner.prefill(state.row, state.text[:-1])
+                runner.prefill(state.row, state.text[state.start : -1])
                 self._synchronize()
-                per_token = (time.perf_counter() - started) / (len(state.text) - 1)
+                per_token = (time.perf_counter() - started) / (len(state.text) - 1 - state.start)
                 if self._prefill_per_token is None or per_token < self._prefill_per_token:
                     self._prefill_per_token = per_token
                 state.cached = len(state.text) - 1
-            runner.cache.lengths[state.row] = state.cached
-            runner.cache.reserve(len(state.text) + self.max_depth * self.expand + 1)
+            runner.cache.lengths[state.row] = state.cached - state.start
+            runner.cache.reserve(len(state.text) - state.start + self.max_depth * self.expand + 1)
         tokens = [state.text[state.cached :] for state in states]
-        positions = [torch.arange(state.cached, len(state.text)) for state in states]
+        # Positions count from the start of the draft model's view: rotary attention depends only
+        # on distances, so a prompt cut by the window reads as if it began there.
+        positions = [torch.arange(state.cached, len(state.text)) - state.start for state in states]
         masks = [torch.ones(len(t), len(t), dtype=torch.bool).tril_() for t in tokens]
         logits = self._timed(
             lambda: runner.extend([s.row for s in states], tokens, positions, masks, last_only=True),
@@ -364,7 +381,7 @@ class ModelDrafter:
         trees = []
         for state, request, row_logits in zip(states, requests, logits, strict=True):
             state.cached = len(state.text)
-            runner.cache.lengths[state.row] = state.cached
+            runner.cache.lengths[state.row] = state.cached - state.start
             distribution = torch.softmax(row_logits[-1].float(), dim=-1)
             self.root_distributions[request] = distribution
             tree = _Tree()
@@ -395,7 +412,7 @@ class ModelDrafter:
                     mask[i, column[ancestor]] = True
                     ancestor = tree.parents[ancestor]
             tokens.append([tree.tokens[n] for n in nodes])
-            positions.append(torch.tensor([state.cached - 1 + tree.depths[n] for n in nodes]))
+            positions.append(torch.tensor([state.cached - 1 - state.start + tree.depths[n] for n in nodes]))
             masks.append(mask)
         rows = [states[b].row for b in live]
         logits = self._timed(
