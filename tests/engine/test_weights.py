@@ -335,3 +335,16 @@ def test_without_a_compiler_int8_weights_are_dequantized_for_each_product(monkey
             assert torch.allclose(packed(x), nn.functional.linear(x, *reference), rtol=0, atol=TOL)
     finally:
         kernels.available.cache_clear()  # the next caller loads the real kernel again
+
+
+def test_the_kernel_library_is_loaded_once_whatever_the_cache_directory_says(monkeypatch, tmp_path):
+    """A second library registering the same ops aborts the process (it did, in CI, when a test with its
+    own cache directory loaded the kernel again): later loads reuse the first one's directory."""
+    assert kernels.available()
+    kernels.available.cache_clear()
+    monkeypatch.setenv("READER_SPEC_CACHE", str(tmp_path))
+    try:
+        assert kernels.available()
+        assert not (tmp_path / "kernels").exists()
+    finally:
+        kernels.available.cache_clear()

@@ -41,13 +41,19 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+_loaded_from: Path | None = None
+"""Where this process loaded the kernel from: a library registering ``reader_spec`` ops may be loaded
+once per process (a second file, e.g. built under another cache directory, aborts the process)."""
+
+
 @cache
 def available() -> bool:
     """Build (if needed) and load the kernel (``torch.ops.reader_spec``); False, said once, where
     that fails."""
     from torch.utils.cpp_extension import load
 
-    directory = build_directory()
+    global _loaded_from
+    directory = _loaded_from or build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     try:
         load(
@@ -61,4 +67,5 @@ def available() -> bool:
     except Exception as error:  # any build failure leaves PyTorch's kernels, which are exact too
         log.warning("the compiled CPU kernel could not be built (%s); using PyTorch's", error)
         return False
+    _loaded_from = directory
     return True
