@@ -12,6 +12,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 from reader_spec.loading import LoadedModel, tokenizer_fingerprint
 
 TINY_VOCAB = 96
+TEST_DEVICE = os.environ.get("READER_TEST_DEVICE", "cpu")
+"""Where the tests' models and tensors live: ``READER_TEST_DEVICE=cuda`` runs the engine, runner and
+drafter tests on a GPU (made the default device, so that tests build their tensors there too; the
+command line's own device handling is checked by ``reader generate --device cuda --compare``)."""
+if TEST_DEVICE != "cpu":
+    torch.set_default_device(TEST_DEVICE)
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}<assistant>"
 
 
@@ -60,7 +66,7 @@ def smollm() -> LoadedModel:
     from reader_spec.loading import load_model
 
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    return load_model()
+    return load_model(device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")

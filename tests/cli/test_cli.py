@@ -60,12 +60,24 @@ def test_generate_text_output(capsys, tiny_llama_dir):
         (["--model", "/no/such/model", "--prompt", "x"], "no such file or directory"),
         (["--prompt", "x", "--batch-size", "0"], "--batch-size"),
         (["--input", "/no/such/file.jsonl"], "No such file"),
+        (["--prompt", "x", "--device", "tpu9"], "--device"),
+        (["--prompt", "x", "--device", "cuda:7"], "no such GPU"),
     ],
 )
 def test_errors_are_one_line_with_status_2(capsys, argv, message):
     code, out, err = run(capsys, "generate", *argv)
     assert code == 2
     assert message in err and err.count("\n") == 1 and not out
+
+
+def test_bfloat16_on_the_cpu_equals_its_plain_decoding(capsys, tiny_llama_dir):
+    code, out, _ = run(
+        capsys, "generate", "--model", str(tiny_llama_dir), "--prompt", "w3 w4 w3 w4 w3", "--max-new-tokens", "12",
+        "--device", "cpu", "--dtype", "bfloat16", "--compare", "--json",
+    )  # fmt: skip
+    assert code == 0
+    (request,) = json.loads(out)["requests"]
+    assert request["tokens"] == request["baseline"]["tokens"]
 
 
 def test_malformed_input_line(capsys, tiny_llama_dir, tmp_path):

@@ -27,7 +27,7 @@ NODE_OF_FIRST = {0: 1, 1: 2, 2: 3}
 
 def tree_logits(seed: int) -> torch.Tensor:
     """Random logits in which drafted tokens are likely, as they are when a drafter is any good."""
-    logits = torch.randn(len(TREE), VOCAB, generator=torch.Generator().manual_seed(seed)) * 1.5
+    logits = torch.randn(len(TREE), VOCAB, generator=torch.Generator().manual_seed(seed), device="cpu") * 1.5
     for node, children in enumerate(TREE.children):
         logits[node, list(children)] += 1.0
     return logits

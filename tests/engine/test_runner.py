@@ -226,7 +226,7 @@ def test_an_int8_copy_of_a_packed_model_verifies_close_to_float32(family):
     model = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
     model.set_attn_implementation("eager" if family in EAGER_ONLY else "sdpa")
     case = Case(model, copy.deepcopy(model), "fast")
-    tokens = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    tokens = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(1), device="cpu").tolist()
     chain = DraftTree(tokens[9:], list(range(-1, 10)))
     make_runner(case, num_rows=1, capacity=32).prefill(0, tokens[:9])  # packs float32 in place
     draft = copy.deepcopy(model)

@@ -61,8 +61,8 @@ def support_log_probs(logits, config, context, vocab) -> torch.Tensor:
 def test_support_equals_transformers_processors(config, vocab):
     generator = torch.Generator().manual_seed(vocab)
     for trial in range(20):
-        logits = torch.randn(vocab, generator=generator) * (1 + trial % 4)
-        context = torch.randint(0, vocab, (12,), generator=generator).tolist()
+        logits = torch.randn(vocab, generator=generator, device="cpu") * (1 + trial % 4)
+        context = torch.randint(0, vocab, (12,), generator=generator, device="cpu").tolist()
         ours = support_log_probs(logits, config, context, vocab)
         theirs = reference_log_probs(logits, config, context)
         assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs))

@@ -208,8 +208,9 @@ class HFMethod:
 
     def _generate_group(self, prompts: Sequence[list[int]], max_new_tokens: int) -> list[Generation]:
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad] * (width - len(p)) + list(p) for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        device = self.model.device
+        ids = torch.tensor([[self.pad] * (width - len(p)) + list(p) for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         steps = _StepLengths() if len(prompts) == 1 else None
         with _ForwardProbe(self.model) as target, _ForwardProbe(self.assistant) as draft:
             out = self.model.generate(

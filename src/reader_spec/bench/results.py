@@ -184,10 +184,17 @@ def _header(environment: dict, settings: dict, prompts: Sequence[PromptResult]) 
         f"{len(questions)} questions ({settings.get('prompts', len(questions))} prompts, second turns "
         f"included) in {len(settings.get('categories', []))} categories; greedy, "
         f"{settings.get('max_new_tokens')} new tokens, {settings.get('repeats')} repeat(s). "
-        f"{environment.get('cpu', '?')}, {environment.get('threads', '?')} threads; torch "
+        f"{environment.get('cpu', '?')}, {environment.get('threads', '?')} threads"
+        f"{_accelerator(environment)}; "
+        f"{environment.get('dtype', '?')}; torch "
         f"{environment.get('torch', '?')}, transformers {environment.get('transformers', '?')}; "
         f"commit {environment.get('commit') or '?'}, {environment.get('date', '?')}."
     )
+
+
+def _accelerator(environment: dict) -> str:
+    device = environment.get("device", "cpu")
+    return "" if device == "cpu" else f", model on {device}"
 
 
 def _category_table(rows: list[Summary]) -> list[str]:

@@ -37,6 +37,7 @@ from reader_spec.bench.spec_bench import Question, interleave_categories
 from reader_spec.config import SAMPLING_FIELDS, GenerationConfig
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.engine.loop import DEFAULT_BUDGET
+from reader_spec.engine.runner import device_description
 from reader_spec.files import write_atomic
 from reader_spec.loading import LoadedModel
 from reader_spec.prompts import encode_prompt
@@ -346,6 +347,7 @@ def environment(loaded: LoadedModel, draft: LoadedModel | None = None) -> dict:
         "model": loaded.name,
         "draft_model": draft.name if draft is not None else None,
         "dtype": str(loaded.model.dtype),
+        "device": device_description(loaded.model.device),
         "commit": _git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -34,7 +34,7 @@ def probe_verify(
     probe = ModelRunner(model, batch, context + most // batch + 2, runner)
     generator = torch.Generator().manual_seed(PROBE_SEED)
     vocab = text_config(model.config).vocab_size
-    tokens = torch.randint(0, vocab, (context,), generator=generator).tolist()
+    tokens = torch.randint(0, vocab, (context,), generator=generator, device="cpu").tolist()
     probe.prefill(0, tokens)
     for row in range(1, batch):
         probe.cache.copy_row(0, row)

@@ -11,12 +11,17 @@ import importlib.util
 from pathlib import Path
 from typing import get_args
 
-from reader_spec.cli.common import add_model_option, add_sampling_options, names, sampling_settings
+from reader_spec.cli.common import (
+    add_model_option,
+    add_sampling_options,
+    load_target,
+    names,
+    sampling_settings,
+)
 from reader_spec.config import GenerationConfig
 from reader_spec.drafters.model import load_draft_model
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.engine.loop import DEFAULT_BUDGET
-from reader_spec.loading import load_model
 from reader_spec.prompts import IdFilter, by_id_parity
 
 
@@ -94,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     categories = [c for group in args.categories for c in group] if args.categories else None
     questions = by_id_parity(load_questions(args.suite), args.question_ids)
     questions = per_category(questions, args.limit, categories)
-    loaded = load_model(args.model)
+    loaded = load_target(args)
     draft = load_draft_model(args.draft_model, loaded) if args.draft_model else None
     datastore = Datastore.open(args.datastore, fingerprint=loaded.fingerprint) if args.datastore else None
     # Every method must draw the same randomness for outputs to compare: a seed is always set.

@@ -11,9 +11,8 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from reader_spec.cli.common import add_model_option
+from reader_spec.cli.common import add_model_option, load_target
 from reader_spec.engine.loop import DEFAULT_BUDGET
-from reader_spec.loading import load_model
 
 NEEDED = ("fastapi", "uvicorn", "prometheus_client", "httpx")
 
@@ -70,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             "%d prompts: concurrency above that never has more requests in flight (raise --limit)",
             len(prompts),
         )
-    loaded = load_model(args.model)
+    loaded = load_target(args)
     datastore = Datastore.open(args.datastore, fingerprint=loaded.fingerprint) if args.datastore else None
     report = run_serve_load(
         loaded,

@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 
 from reader_spec.budget.costs import LONG_CONTEXT, PROBE_CONTEXT, probed_batches
-from reader_spec.cli.common import add_model_option
+from reader_spec.cli.common import add_model_option, load_target
 from reader_spec.drafters import ReaderDrafter
 from reader_spec.engine.loop import DEFAULT_BUDGET, Engine
-from reader_spec.loading import load_model
 
 SHOWN_DRAFTS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -40,7 +39,7 @@ def add_parser(commands) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.batch_size < 1 or args.budget < 1:
         raise ValueError("--batch-size and --budget must be positive")
-    loaded = load_model(args.model)
+    loaded = load_target(args)
     engine = Engine(loaded, ReaderDrafter(), budget=args.budget, runner=args.runner)
     engine.calibrate(args.batch_size)
     costs = engine.costs

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from reader_spec.config import SAMPLING_FIELDS
 from reader_spec.drafters import Drafter, ReaderDrafter
 from reader_spec.drafters.fusion import RASD_MIN_PROB, RASD_TOP_K, FusedDrafter
@@ -12,15 +14,28 @@ from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.drafters.retrieval.history import DEFAULT_MAX_TOKENS
 from reader_spec.engine.loop import DEFAULT_BUDGET, Engine
 from reader_spec.engine.runner import RUNNERS
-from reader_spec.loading import LoadedModel
+from reader_spec.loading import LoadedModel, load_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def add_model_option(parser: argparse.ArgumentParser, runner: bool = True) -> None:
-    """``--model``, and unless the command runs no forward, ``--runner``."""
+    """``--model``, and unless the command runs no forward, ``--runner``, ``--device`` and ``--dtype``."""
     parser.add_argument(
         "--model", help="hub id, local directory or .gguf file (default: SmolLM2-135M-Instruct)"
     )
     if runner:
+        parser.add_argument(
+            "--device",
+            default="auto",
+            help="where the model runs: cpu, cuda, cuda:N, ... (default auto: the first GPU if there is one)",
+        )
+        parser.add_argument(
+            "--dtype",
+            choices=DTYPES,
+            default="float32",
+            help="the weights' and activations' type (float32 default; a GPU runs bfloat16 faster)",
+        )
         parser.add_argument(
             "--runner",
             choices=RUNNERS,
@@ -28,6 +43,26 @@ def add_model_option(parser: argparse.ArgumentParser, runner: bool = True) -> No
             help="the model's forward: fast (the engine's decoder for Llama, Mistral, Qwen2/3, Phi-3, "
             "Gemma 2/3), transformers (the model's own), auto (fast where supported; default)",
         )
+
+
+def load_target(args: argparse.Namespace) -> LoadedModel:
+    """The model ``--model``, ``--device`` and ``--dtype`` describe."""
+    return load_model(args.model, dtype=DTYPES[args.dtype], device=resolve_device(args.device))
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: the first GPU where PyTorch sees one, else the CPU; a device that is not there fails
+    in one line."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(f"--device: {error}") from None
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= available:
+        raise ValueError(f"--device {name}: PyTorch sees no such GPU ({available} available)")
+    return device
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:

@@ -17,12 +17,12 @@ from reader_spec.cli.common import (
     add_model_option,
     add_sampling_options,
     build_engine,
+    load_target,
     sampling_settings,
 )
 from reader_spec.config import GenerationConfig
 from reader_spec.engine.loop import Engine
 from reader_spec.engine.sequence import Output, mean_accepted
-from reader_spec.loading import load_model
 from reader_spec.prompts import InputRecord, PromptError, read_jsonl
 
 
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         ]
     if args.batch_size < 1:
         raise ValueError("--batch-size must be at least 1")
-    loaded = load_model(args.model)
+    loaded = load_target(args)
     engine = build_engine(args, loaded, max_batch_size=args.batch_size)
     prompts = [engine.encode(r.prompt) for r in records]  # bad prompts fail before any model work
     ids = [r.id for r in records]

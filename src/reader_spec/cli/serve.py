@@ -7,8 +7,7 @@ import importlib.util
 import logging
 import os
 
-from reader_spec.cli.common import add_drafting_options, add_model_option, build_engine
-from reader_spec.loading import load_model
+from reader_spec.cli.common import add_drafting_options, add_model_option, build_engine, load_target
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 
@@ -61,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from reader_spec.serve.app import ServerSettings, create_app
     from reader_spec.serve.service import EngineService
 
-    loaded = load_model(args.model)
+    loaded = load_target(args)
     engine = build_engine(args, loaded, max_batch_size=args.max_batch_size)
     engine.warm_up(args.max_batch_size)
     settings = ServerSettings(

@@ -51,6 +51,13 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
+def device_description(device: torch.device) -> str:
+    """The device a model runs on, with the accelerator's name: keys measured costs and labels results."""
+    if device.type == "cuda":
+        return f"{device}: {torch.cuda.get_device_name(device)}"
+    return str(device)
+
+
 def sliding_window_of(config) -> int | None:
     """The sliding window size if any layer of this model uses local attention.
 

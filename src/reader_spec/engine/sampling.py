@@ -65,7 +65,7 @@ def support(
     if config.top_p < 1:
         tokens = _nucleus(scores, tokens, config.top_p)
     if tokens is None:
-        tokens = torch.arange(scores.numel())
+        tokens = torch.arange(scores.numel(), device=scores.device)
     kept = scores[tokens]
     if config.min_p > 0:
         probs = torch.softmax(kept, dim=0)

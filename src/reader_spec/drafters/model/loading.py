@@ -21,7 +21,7 @@ def load_draft_model(spec: str, target: LoadedModel) -> LoadedModel:
     another one is refused with a one-line :class:`ModelLoadError`."""
     if spec == SELF:
         return self_draft(target)
-    draft = load_model(spec, device=target.model.device)
+    draft = load_model(spec, dtype=target.model.dtype, device=target.model.device)
     if draft.fingerprint != target.fingerprint:
         raise ModelLoadError(
             f"the draft model {draft.name} has another tokenizer than the target {target.name}: "
