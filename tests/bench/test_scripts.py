@@ -4,6 +4,8 @@ import runpy
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
@@ -16,3 +18,14 @@ def test_context_index_script_runs_and_drafts_on_repetitive_text(monkeypatch, ca
     phrases = out.split("== uniform")[0]
     tokens_per_step = float(phrases.split("tokens/step ")[1].split(";")[0])
     assert "build index" in out and tokens_per_step > 1.0  # repeated phrases get accepted drafts
+
+
+@pytest.mark.model
+def test_weights_agreement_script_compares_int8_with_float32(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["weights_agreement.py", "--limit", "1", "--max-new-tokens", "8"])
+    runpy.run_path(str(SCRIPTS / "weights_agreement.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    identical = out.split("identical outputs: ")[1].split("/")
+    assert identical[1].startswith("13 ") and 0 <= int(identical[0]) <= 13
+    agreement = float(out.split("choice on float32's output: ")[1].split("%")[0])
+    assert 80 <= agreement <= 100  # int8 per channel stays close to float32

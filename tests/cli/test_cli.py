@@ -70,10 +70,11 @@ def test_errors_are_one_line_with_status_2(capsys, argv, message):
     assert message in err and err.count("\n") == 1 and not out
 
 
-def test_bfloat16_on_the_cpu_equals_its_plain_decoding(capsys, tiny_llama_dir):
+@pytest.mark.parametrize("argv", [["--dtype", "bfloat16"], ["--weights", "int8"]])
+def test_other_number_formats_equal_their_own_plain_decoding(capsys, tiny_llama_dir, argv):
     code, out, _ = run(
-        capsys, "generate", "--model", str(tiny_llama_dir), "--prompt", "w3 w4 w3 w4 w3", "--max-new-tokens", "12",
-        "--device", "cpu", "--dtype", "bfloat16", "--compare", "--json",
+        capsys, "generate", "--model", str(tiny_llama_dir), "--prompt", "w3 w4 w3 w4 w3",
+        "--max-new-tokens", "12", "--device", "cpu", "--compare", "--json", *argv,
     )  # fmt: skip
     assert code == 0
     (request,) = json.loads(out)["requests"]

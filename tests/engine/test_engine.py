@@ -432,3 +432,31 @@ def test_generate_needs_an_idle_engine(tiny, prompts):
     engine.add_request(prompts[0], NO_EOS)
     with pytest.raises(RuntimeError, match="idle engine"):
         engine.generate(prompts[:1], NO_EOS)
+
+
+def test_int8_weights_serve_both_runners_and_speculation_stays_exact(tiny, prompts):
+    """``pack_weights`` stores the matrices once; the fast runner and transformers' forward then both
+    multiply by the int8 ones, and speculation equals plain decoding of that int8 model."""
+    import copy
+
+    from reader_spec.drafters.model import self_draft
+    from reader_spec.engine.runner import pack_weights
+    from reader_spec.engine.weights import PackedLinear
+    from reader_spec.loading import ModelLoadError
+
+    loaded = replace(tiny, model=copy.deepcopy(tiny.model))
+    pack_weights(loaded.model, "int8")
+    packed = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
+    assert packed and all(m.weight_format == "int8" for m in packed)
+    float32 = Engine(tiny).generate(prompts[:6], NO_EOS, batch_size=3)
+    fast = Engine(loaded, runner="fast").generate(prompts[:6], NO_EOS, batch_size=3)
+    reference = Engine(loaded, runner="transformers").generate(prompts[:6], NO_EOS, batch_size=3)
+    speculative = Engine(loaded, ReaderDrafter(), costs=FLAT_COSTS).generate(
+        prompts[:6], NO_EOS, batch_size=3
+    )
+    assert [o.tokens for o in fast] == [o.tokens for o in reference] == [o.tokens for o in speculative]
+    assert [o.tokens for o in fast] != [o.tokens for o in float32]  # int8 really runs
+    with pytest.raises(ModelLoadError, match="int8 already"):
+        self_draft(loaded)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        pack_weights(loaded.model, "int3")

@@ -22,6 +22,7 @@ from reader_spec.engine.attention import PackedLayout, additive, pack, use_packe
 from reader_spec.engine.decoder import FAST_FAMILIES, FastDecoder, supports
 from reader_spec.engine.kv_cache import RaggedKVCache
 from reader_spec.engine.tree import DraftTree
+from reader_spec.engine.weights import WEIGHT_FORMATS
 
 PREFILL_CHUNK = 512
 """Prompt tokens per prefill forward: bounds the mask and activation memory of long prompts."""
@@ -222,6 +223,25 @@ def fast_decoder(model: PreTrainedModel, runner: str) -> FastDecoder | None:
         _ANNOUNCED.add((type(model).__name__, name))
         log.info("%s runs on the %s runner", type(model).__name__, name)
     return chosen
+
+
+def pack_weights(model: PreTrainedModel, weights: str) -> FastDecoder:
+    """Stores ``model``'s matrices in the format ``weights`` (:data:`WEIGHT_FORMATS`) now, in place:
+    every runner built on it later, the fast one and transformers' forward alike, multiplies by them.
+
+    Outputs are then those of the model in that format; speculation is exact against its plain decoding.
+    """
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    if not supports(model):
+        raise ValueError(
+            f"{weights} weights are packed by the fast runner, which does not run {type(model).__name__} "
+            f"(model_type {model.config.model_type!r}); it runs {', '.join(FAST_FAMILIES)}"
+        )
+    decoder = getattr(model, "_reader_fast_decoder", None)
+    if decoder is None or decoder.weights != weights:
+        decoder = model._reader_fast_decoder = FastDecoder(model, weights=weights)
+    return decoder
 
 
 _WARNED: set[str] = set()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
-from reader_spec.engine.decoder import FastDecoder, supports
+from reader_spec.engine.decoder import supports
+from reader_spec.engine.runner import pack_weights
 from reader_spec.loading import LoadedModel, ModelLoadError, load_model
 
 SELF = "self"
@@ -37,8 +38,12 @@ def self_draft(target: LoadedModel, weights: str = SELF_WEIGHTS) -> LoadedModel:
             f"--draft-model self needs the fast runner, which does not run {type(target.model).__name__}; "
             "give a draft model instead (a smaller model with the same tokenizer)"
         )
+    packed = getattr(target.model, "_reader_fast_decoder", None)
+    if packed is not None and packed.weights == weights:
+        raise ModelLoadError(
+            f"--draft-model self is the target's weights in {weights}, and the target runs in {weights} "
+            "already: give a smaller draft model with the same tokenizer"
+        )
     model = copy.deepcopy(target.model)
-    if hasattr(model, "_reader_fast_decoder"):  # the target was packed already: repack the copy
-        del model._reader_fast_decoder
-    model._reader_fast_decoder = FastDecoder(model, weights=weights)
+    pack_weights(model, weights)
     return replace(target, model=model, name=f"{target.name} ({weights} self-draft)")
