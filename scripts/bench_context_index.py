@@ -24,9 +24,14 @@ from reader_spec.drafters import ReaderDrafter
 VOCAB = 49_152
 
 
+def phrase_pool(rng: random.Random, pool_size: int = 400) -> list[list[int]]:
+    """The sentences a phrase stream draws from, the most popular first."""
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(4, 16))] for _ in range(pool_size)]
+
+
 def phrase_stream(rng: random.Random, pool_size: int = 400, filler: float = 0.15) -> Iterator[int]:
     """Sentences from a fixed pool, popular ones far more often, with some fresh random tokens between."""
-    pool = [[rng.randrange(VOCAB) for _ in range(rng.randint(4, 16))] for _ in range(pool_size)]
+    pool = phrase_pool(rng, pool_size)
     weights = [1.0 / (rank + 1) for rank in range(pool_size)]
     while True:
         if rng.random() < filler:

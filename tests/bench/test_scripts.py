@@ -29,3 +29,18 @@ def test_weights_agreement_script_compares_int8_with_float32(monkeypatch, capsys
     assert identical[1].startswith("13 ") and 0 <= int(identical[0]) <= 13
     agreement = float(out.split("choice on float32's output: ")[1].split("%")[0])
     assert 80 <= agreement <= 100  # int8 per channel stays close to float32
+
+
+def test_drafting_script_builds_a_datastore_once_and_reader_reads_it(monkeypatch, capsys, tmp_path):
+    argv = ["bench_drafting.py", "--drafters", "reader", "--batch-sizes", "2", "--contexts", "300",
+            "--steps", "5", "--datastore-tokens", "20000",
+            "--datastore-dir", str(tmp_path / "store")]  # fmt: skip
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    for run in range(2):
+        monkeypatch.setattr(sys, "argv", argv)
+        runpy.run_path(str(SCRIPTS / "bench_drafting.py"), run_name="__main__")
+        out = capsys.readouterr().out
+        assert ("built a datastore" in out) == (run == 0)  # the second run reuses it
+        (row,) = [line for line in out.splitlines() if line.startswith("| reader |")]
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert int(cells[3].replace(",", "")) >= 20000 and float(cells[-1]) > 1.0
