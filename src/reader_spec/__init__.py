@@ -12,6 +12,7 @@ from reader_spec.drafters import (
 )
 from reader_spec.drafters.retrieval.datastore import Datastore, DatastoreError
 from reader_spec.engine.loop import Engine, Output, RequestStats
+from reader_spec.engine.runner import pack_weights
 from reader_spec.engine.tree import DraftTree, Proposal
 from reader_spec.loading import LoadedModel, ModelLoadError, load_model
 
@@ -34,4 +35,5 @@ __all__ = [
     "SuffixDecodingDrafter",
     "load_draft_model",
     "load_model",
+    "pack_weights",
 ]
