@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -195,6 +196,30 @@ def test_step_chooser_learns_which_arm_pays_per_bucket():
     trials = sum(stats[2] for stats in chooser._rates.values())
     chooser.start(StepTrial(0, True, clock + 5.0, frozenset({"r", "other"})))
     assert sum(stats[2] for stats in chooser._rates.values()) == trials
+
+
+def test_step_chooser_tries_a_losing_arm_ever_more_rarely_until_it_wins():
+    from reader_spec.drafters.fusion import StepChooser, StepTrial
+
+    chooser = StepChooser(explore_every=5, max_explore_every=40)
+    clock, batch, picks = 0.0, frozenset({"r"}), []
+
+    def step(model_rate: float) -> None:
+        nonlocal clock
+        bucket, with_model = chooser.choose(expected=3.0)
+        picks.append(with_model)
+        chooser.start(StepTrial(bucket, with_model, clock, batch))
+        chooser.record(2)
+        clock += 2 / (model_rate if with_model else 50.0)
+
+    for _ in range(300):
+        step(model_rate=25.0)  # the draft model halves the rate
+    tries = [i for i, p in enumerate(picks) if p][3:]  # from the last of the first trials
+    gaps = [b - a for a, b in itertools.pairwise(tries)]
+    assert gaps[:4] == [5, 10, 20, 40] and set(gaps[4:]) == {40}
+    for _ in range(100):
+        step(model_rate=200.0)  # now it pays: found at the next try, then preferred
+    assert sum(picks[-40:]) >= 36
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])

@@ -124,27 +124,45 @@ class StepChooser:
     in the bucket of the retrieval tree's expected accepted tokens; its outcome is the tokens the step
     emitted over its wall time, from this step's drafting to the next's (a step after which the batch
     changed, where a prefill may have run, is not counted). The arm with the better rate so far is
-    chosen, each arm is tried ``min_trials`` times per bucket first, and every ``explore_every``-th
-    step of a bucket tries the other arm, so that a change in the text is noticed. Old trials fade
-    (``decay``).
+    chosen, each arm is tried ``min_trials`` times per bucket first, and then the other arm is tried
+    again after ``explore_every`` steps of a bucket, so that a change in the text is noticed. While
+    the preferred arm stays the same, that interval doubles after each such try, up to
+    ``max_explore_every`` (a draft model that never pays, as at large batches on a CPU, is then rarely
+    run); a change of preference resets it. Old trials fade (``decay``).
     """
 
     min_trials: int = 3
     explore_every: int = 10
+    max_explore_every: int = 160
     decay: float = 0.97
     _rates: dict[tuple[int, bool], list[float]] = field(default_factory=dict)
     """(bucket, with model) -> [tokens, seconds, trials], decayed."""
-    _visits: dict[int, int] = field(default_factory=dict)
+    _trials: dict[tuple[int, bool], int] = field(default_factory=dict)
+    """(bucket, with model) -> trials counted, not decayed: a decayed count would fall below
+    ``min_trials`` again a few steps after each try and force the losing arm every ~9 steps."""
+    _since: dict[int, int] = field(default_factory=dict)
+    """Steps of each bucket since its last try of the other arm."""
+    _interval: dict[int, tuple[bool, int]] = field(default_factory=dict)
+    """Each bucket's preferred arm when last chosen, and the steps until the other is tried."""
     _step: StepTrial | None = None
 
     def choose(self, expected: float) -> tuple[int, bool]:
         bucket = sum(expected > bound for bound in EXPECTATION_BOUNDS)
-        visits = self._visits[bucket] = self._visits.get(bucket, 0) + 1
-        without, with_model = (self._rates.get((bucket, arm), [0.0, 0.0, 0.0]) for arm in (False, True))
-        if min(without[2], with_model[2]) < self.min_trials:
-            return bucket, with_model[2] <= without[2]
+        tried = {arm: self._trials.get((bucket, arm), 0) for arm in (False, True)}
+        if min(tried.values()) < self.min_trials:
+            return bucket, tried[True] <= tried[False]
+        without, with_model = (self._rates[bucket, arm] for arm in (False, True))
         better = with_model[0] / with_model[1] > without[0] / without[1]
-        return bucket, better != (visits % self.explore_every == 0)
+        preferred, interval = self._interval.get(bucket, (better, self.explore_every))
+        if preferred != better:
+            interval = self.explore_every
+        since = self._since[bucket] = self._since.get(bucket, 0) + 1
+        if since < interval:
+            self._interval[bucket] = (better, interval)
+            return bucket, better
+        self._since[bucket] = 0
+        self._interval[bucket] = (better, min(2 * interval, self.max_explore_every))
+        return bucket, not better
 
     def record(self, emitted: int) -> None:
         """Tokens a sequence of the current step emitted."""
@@ -160,7 +178,9 @@ class StepChooser:
         for key, stats in self._rates.items():
             if key[0] == last.bucket:
                 stats[:] = [value * self.decay for value in stats]
-        stats = self._rates.setdefault((last.bucket, last.with_model), [0.0, 0.0, 0.0])
+        key = (last.bucket, last.with_model)
+        self._trials[key] = self._trials.get(key, 0) + 1
+        stats = self._rates.setdefault(key, [0.0, 0.0, 0.0])
         stats[0] += last.emitted
         stats[1] += seconds
         stats[2] += 1
@@ -239,6 +259,9 @@ class FusedDrafter:
             return self.model.propose_batch(requests, max_nodes, alongside=retrieved, first_level=True)
         expected = sum(sum(p.probs) for p in retrieved) / len(requests)
         bucket, with_model = self.chooser.choose(expected)
+        # The optimistic price vetoes: where even it says the draft model cannot pay (a large batch
+        # on a CPU, say), trying it to learn would only cost.
+        with_model = with_model and self.model.may_pay(requests, verify_seconds, retrieved)
         drafted = [EMPTY_PROPOSAL] * len(requests)
         if with_model:
             drafted = self.model.propose_batch(

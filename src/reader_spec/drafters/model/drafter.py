@@ -39,6 +39,11 @@ PROMPT_WINDOW = 256
 about what it costs the target (prefill is compute-bound, int8 or not), which at batch 8 doubled
 prefill (measured: 234 ms a request against the target's 242); retrieval covers copying from
 further back."""
+CATCH_UP_LIMIT = 32
+"""Most tokens one request's catch-up feeds the draft model. After a longer gap (steps a fused drafter
+ran without the draft model) it re-reads only the last ones: feeding every emitted token costs the
+draft model about what verifying it cost the target, which at batch 8 made trying the draft model
+now and then cost more than it could return."""
 PREFILL_SPREAD = 32
 """Steps a request's draft prefill is spread over when deciding to start drafting for it."""
 INITIAL_ROWS = 4
@@ -310,6 +315,17 @@ class ModelDrafter:
             probs = [(a + b) / 2 for a, b in zip(old, probs + [0.0] * (len(old) - ranks), strict=True)]
         self._typical = (probs, levels)
 
+    def may_pay(
+        self,
+        requests: Sequence[Hashable],
+        verify_seconds: Sequence[float] | None,
+        alongside: Sequence[Proposal] | None,
+    ) -> bool:
+        """Whether running the draft model this step could raise its rate, by the tree it typically
+        grows, its timed passes and the verification costs (optimistic: a fused drafter that learns
+        from outcomes asks this first, to never even try the draft model where it cannot pay)."""
+        return self._worth_running(requests, alongside, _Pricing(verify_seconds, len(requests), alongside))
+
     def _worth_running(
         self, requests: Sequence[Hashable], alongside: Sequence[Proposal] | None, pricing: _Pricing
     ) -> bool:
@@ -357,6 +373,8 @@ class ModelDrafter:
         prefilled first) and give the root its children."""
         runner = self._runner
         for state in states:
+            if state.cached and len(state.text) - 1 - state.cached > CATCH_UP_LIMIT:
+                state.start = state.cached = len(state.text) - 1 - CATCH_UP_LIMIT  # the row starts afresh
             if state.cached == 0 and len(state.text) > 1:
                 state.start = max(0, len(state.text) - 1 - self.prompt_window)
                 started = time.perf_counter()
