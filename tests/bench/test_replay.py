@@ -18,6 +18,7 @@ from reader_spec.bench.replay import (
     run_replay,
     tokenize_conversation,
 )
+from reader_spec.budget.costs import PROBE_CONTEXT, CostModel
 from reader_spec.cli import main
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal, chain_proposal
 from reader_spec.loading import ModelLoadError, load_tokenizer
@@ -182,6 +183,33 @@ def test_run_replay_keeps_one_drafter_per_method_across_turns(tmp_path):
     assert "| oracle | 2.33 |" in (tmp_path / "replay.md").read_text()
     with pytest.raises(ValueError):
         run_replay([convo], {"none": Fixed(EMPTY_PROPOSAL)}, 0, progress=False)
+
+
+def test_priced_replay_cuts_each_tree_where_the_rate_is_best(tmp_path):
+    convo = conversation([1, 2, 3], [[10, 11, 12, 13]], [4, 5])
+    chain = chain_proposal([10, 11, 99, 98], [0.9, 0.6, 0.05, 0.01])
+    # Each draft token adds a fifth of a pass: tokens per second 1.00, 1.58, 1.79, 1.59, 1.43 for 0..4
+    # nodes, so two are kept.
+    costs = CostModel({PROBE_CONTEXT: {1: {d: 1.0 + 0.2 * d for d in range(9)}}}, budget=4)
+    drafters = {"priced": Fixed(chain), "whole": Fixed(chain)}
+    report = run_replay([convo], drafters, 4, progress=False, costs={"priced": costs})
+    priced, whole = report.methods["priced"], report.methods["whole"]
+    assert priced.drafted == 2 * priced.steps and whole.drafted == 4 * whole.steps
+    assert priced.accepted == whole.accepted  # the cut nodes were never accepted
+
+
+def test_cli_priced_replay_needs_batch_1_costs(tmp_path, tokenizer, monkeypatch, capsys):
+    monkeypatch.setenv("READER_SPEC_CACHE", str(tmp_path / "cache"))
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    path = tmp_path / "tasks.jsonl.gz"
+    write_tasks(path, [{"instance_id": "a", "messages": CONVERSATION}])
+    costs = tmp_path / "costs.json"
+    argv = ["bench", "--replay", str(path), "--model", str(tmp_path / "tokenizer"), "--costs", str(costs)]
+    assert main(argv) == 2 and "no batch-1 verification costs" in capsys.readouterr().err
+    costs.write_text(json.dumps({PROBE_CONTEXT: {1: {d: 0.01 + 0.001 * d for d in range(17)}}}))
+    assert main([*argv, "--methods", "suffix", "reader", "--out", str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "replay.json").read_text())["settings"]["costs"] == str(costs)
+    assert main(["bench", "--costs", str(costs)]) == 2 and "needs --replay" in capsys.readouterr().err
 
 
 def write_tasks(path, tasks) -> None:

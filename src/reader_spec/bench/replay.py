@@ -8,7 +8,8 @@ therefore exactly the tokenization of the conversation through that turn. Roles 
 template as recorded (SmolLM2's template renders any role, ``tool`` included, as ``<|im_start|>role``);
 messages after the last assistant turn never reach a context and are dropped.
 
-Each step a drafter proposes a tree under the budget; the recorded tokens stand in for the target
+Each step a drafter proposes a tree under the budget (with measured verification costs, an adaptive
+drafter's tree is priced and cut as the engine does at batch 1); the recorded tokens stand in for the target
 model, so the step accepts the deepest path of the tree that follows them, plus one bonus token, just
 as a greedy verification pass whose model produced the recording would. Then come ``observe`` and
 ``extend``, as in the engine. One drafter instance serves every turn of every task in order, so drafters
@@ -34,7 +35,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from reader_spec.drafters import Drafter, feed_back
+from reader_spec.budget.allocation import allocate
+from reader_spec.budget.costs import CostModel
+from reader_spec.drafters import Drafter, feed_back, propose_all
 from reader_spec.engine.sequence import DraftCounts
 from reader_spec.engine.tree import DraftTree, Proposal
 from reader_spec.files import json_lines, write_atomic
@@ -210,12 +213,25 @@ class ReplayedStep:
 
 
 def replay_step(
-    drafter: Drafter, request: Hashable, root: int, recording: Sequence[int], max_nodes: int
+    drafter: Drafter,
+    request: Hashable,
+    root: int,
+    recording: Sequence[int],
+    max_nodes: int,
+    costs: CostModel | None = None,
+    context: int = 0,
 ) -> ReplayedStep:
     """Propose, verify against the recorded continuation (as a greedy pass of the model that produced
-    it would), and feed the outcome back: the engine's step with the recording as the target model."""
+    it would), and feed the outcome back: the engine's step with the recording as the target model.
+
+    With ``costs``, the proposal is priced and cut as the engine's adaptive budget does at batch 1 with
+    ``context`` tokens of context."""
     clock = time.perf_counter()
-    proposal = drafter.propose(request, max_nodes).truncated(max_nodes)
+    if costs is None:
+        proposal = drafter.propose(request, max_nodes).truncated(max_nodes)
+    else:
+        (proposal,) = propose_all(drafter, [request], max_nodes, costs.table(1, max_nodes, context))
+        proposal = proposal.truncated(allocate([proposal], costs, max_nodes, context)[0])
     propose_seconds = time.perf_counter() - clock
     tree = DraftTree.from_proposal(root, proposal)
     path, _ = tree.walk(_recorded(recording, tree.depths))
@@ -227,9 +243,15 @@ def replay_step(
 
 
 def replay_turn(
-    drafter: Drafter, request: Hashable, context: Sequence[int], continuation: Sequence[int], budget: int
+    drafter: Drafter,
+    request: Hashable,
+    context: Sequence[int],
+    continuation: Sequence[int],
+    budget: int,
+    costs: CostModel | None = None,
 ) -> MethodStats:
-    """Replay one recorded continuation through a drafter, as the engine would run it greedily."""
+    """Replay one recorded continuation through a drafter, as the engine would run it greedily
+    (``costs``: pricing each step's tree, see :func:`replay_step`)."""
     stats = MethodStats(method="", turns=1)
     started = time.perf_counter()
     drafter.begin(request, context)
@@ -237,7 +259,9 @@ def replay_turn(
     position = 0
     root = context[-1] if len(context) else -1
     while position < len(continuation):
-        step = replay_step(drafter, request, root, continuation[position:], budget)
+        step = replay_step(
+            drafter, request, root, continuation[position:], budget, costs, len(context) + position
+        )
         in_drafter += step.propose_seconds + step.feedback_seconds
         stats.steps += 1
         stats.new_tokens += len(step.emitted)
@@ -313,9 +337,12 @@ def run_replay(
     *,
     settings: Mapping[str, object] | None = None,
     progress: bool = True,
+    costs: Mapping[str, CostModel] | None = None,
 ) -> ReplayReport:
     """Replay every turn of every conversation through each drafter, turn by turn with the drafters
-    interleaved, each drafter keeping its state across turns and tasks."""
+    interleaved, each drafter keeping its state across turns and tasks; the drafters ``costs`` names
+    have their trees priced with those verification costs."""
+    costs = costs or {}
     if budget < 1:
         raise ValueError(f"budget must be at least 1, got {budget}")
     started = time.perf_counter()
@@ -345,7 +372,9 @@ def run_replay(
             for turn_index, (context_end, end) in enumerate(conversation.turns):
                 context, continuation = tokens[:context_end], tokens[context_end:end]
                 for name, drafter in drafters.items():
-                    turn = replay_turn(drafter, (task_index, turn_index), context, continuation, budget)
+                    turn = replay_turn(
+                        drafter, (task_index, turn_index), context, continuation, budget, costs.get(name)
+                    )
                     task_totals[name].add(turn)
                 bar.update()
             for name, stats in task_totals.items():

@@ -11,6 +11,7 @@ import importlib.util
 from pathlib import Path
 from typing import get_args
 
+from reader_spec.budget.costs import CostModel, load_costs
 from reader_spec.cli.common import (
     add_model_option,
     add_sampling_options,
@@ -80,12 +81,21 @@ def add_parser(commands) -> None:
         "drafters, without running the model (only its tokenizer): accepted tokens per step per method; "
         "--limit counts tasks, --out gets replay.json and replay.md",
     )
+    bench.add_argument(
+        "--costs",
+        metavar="FILE",
+        help="with --replay: verification costs (the JSON `reader calibrate` wrote and named) by which "
+        "adaptive drafters' trees are priced and cut each step, as the engine does at batch 1 (default: "
+        "every tree fills the budget)",
+    )
     bench.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.replay is not None:
         return _bench_replay(args)
+    if args.costs is not None:
+        raise ValueError("--costs prices replayed trees: it needs --replay (live runs measure their own)")
     from reader_spec.bench.methods import method_names
     from reader_spec.bench.runner import run_bench
     from reader_spec.bench.spec_bench import load_questions, per_category
@@ -145,10 +155,27 @@ def _bench_replay(args: argparse.Namespace) -> int:
         args.replay, loaded.tokenizer, loaded.fingerprint, cache_root() / "replay"
     )[: args.limit]
     drafters = {m: DRAFTERS[m].build(None, None) for m in dict.fromkeys(methods)}
-    settings = {"file": str(args.replay), "model": loaded.name}
-    report = run_replay(conversations, drafters, args.budget, settings=settings)
+    settings = {"file": str(args.replay), "model": loaded.name, "costs": args.costs}
+    priced = {}
+    if args.costs is not None:
+        costs = replay_costs(Path(args.costs), args.budget)
+        priced = {m: costs for m in drafters if DRAFTERS[m].adaptive}
+    report = run_replay(conversations, drafters, args.budget, settings=settings, costs=priced)
     print(report.markdown())
     if args.out:
         report.save(Path(args.out))
         print(f"\nwrote {Path(args.out) / 'replay.json'} and {Path(args.out) / 'replay.md'}")
     return 0
+
+
+def replay_costs(path: Path, budget: int) -> CostModel:
+    """Batch-1 verification costs from a file ``reader calibrate`` wrote, or a one-line error."""
+    curves = load_costs(path)
+    costs = CostModel(curves, budget=budget)
+    try:
+        costs.table(1, budget)
+    except KeyError:
+        raise ValueError(
+            f"{path} holds no batch-1 verification costs: run `reader calibrate` and pass the file it names"
+        ) from None
+    return costs
