@@ -192,10 +192,15 @@ def test_priced_replay_cuts_each_tree_where_the_rate_is_best(tmp_path):
     # nodes, so two are kept.
     costs = CostModel({PROBE_CONTEXT: {1: {d: 1.0 + 0.2 * d for d in range(9)}}}, budget=4)
     drafters = {"priced": Fixed(chain), "whole": Fixed(chain)}
-    report = run_replay([convo], drafters, 4, progress=False, costs={"priced": costs})
+    report = run_replay([convo], drafters, 4, progress=False, costs=costs, priced=["priced"])
     priced, whole = report.methods["priced"], report.methods["whole"]
     assert priced.drafted == 2 * priced.steps and whole.drafted == 4 * whole.steps
     assert priced.accepted == whole.accepted  # the cut nodes were never accepted
+    # Modelled time: 4 tokens emitted in 2 steps (3, then the last 1); plain decoding takes 4 passes.
+    assert priced.steps == 2 and priced.plain_seconds == pytest.approx(4.0)
+    assert priced.verify_seconds == pytest.approx(2 * 1.4) and whole.verify_seconds == pytest.approx(2 * 1.8)
+    assert priced.modelled_speedup == pytest.approx(4 / 2.8)
+    assert "| priced | 2.00 |" in report.markdown() and "1.43x |" in report.markdown()
 
 
 def test_cli_priced_replay_needs_batch_1_costs(tmp_path, tokenizer, monkeypatch, capsys):

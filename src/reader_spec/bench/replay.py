@@ -28,7 +28,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -188,16 +188,30 @@ class MethodStats(DraftCounts):
     turns: int = 0
     seconds: float = 0.0
     drafter_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    """With a cost model: what the steps' verification passes would take (drafted tokens and context
+    priced by it)."""
+    plain_seconds: float = 0.0
+    """With a cost model: what plain decoding of the same tokens would take (one pass each)."""
+
+    _SUMMED = ("turns", "steps", "new_tokens", "accepted", "drafted", "seconds", "drafter_seconds",
+               "verify_seconds", "plain_seconds")  # fmt: skip
 
     def add(self, other: MethodStats) -> None:
-        for name in ("turns", "steps", "new_tokens", "accepted", "drafted", "seconds", "drafter_seconds"):
+        for name in self._SUMMED:
             setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def modelled_speedup(self) -> float | None:
+        """Plain decoding's modelled time over this method's (passes only; no cost model: None)."""
+        return self.plain_seconds / self.verify_seconds if self.verify_seconds else None
 
     def as_dict(self) -> dict:
         return {
             **asdict(self),
             "mean_accepted": self.mean_accepted,
             "drafted_per_accepted": self.drafted_per_accepted,
+            "modelled_speedup": self.modelled_speedup,
         }
 
 
@@ -229,7 +243,7 @@ def replay_step(
     clock = time.perf_counter()
     if costs is None:
         proposal = drafter.propose(request, max_nodes).truncated(max_nodes)
-    else:
+    else:  # the engine's _draft at batch 1
         (proposal,) = propose_all(drafter, [request], max_nodes, costs.table(1, max_nodes, context))
         proposal = proposal.truncated(allocate([proposal], costs, max_nodes, context)[0])
     propose_seconds = time.perf_counter() - clock
@@ -249,9 +263,12 @@ def replay_turn(
     continuation: Sequence[int],
     budget: int,
     costs: CostModel | None = None,
+    priced: bool = False,
 ) -> MethodStats:
-    """Replay one recorded continuation through a drafter, as the engine would run it greedily
-    (``costs``: pricing each step's tree, see :func:`replay_step`)."""
+    """Replay one recorded continuation through a drafter, as the engine would run it greedily.
+
+    With ``costs`` each step's verification and plain decoding's passes are timed by that model;
+    ``priced`` also cuts each step's tree by it (see :func:`replay_step`)."""
     stats = MethodStats(method="", turns=1)
     started = time.perf_counter()
     drafter.begin(request, context)
@@ -259,10 +276,14 @@ def replay_turn(
     position = 0
     root = context[-1] if len(context) else -1
     while position < len(continuation):
+        at = len(context) + position
         step = replay_step(
-            drafter, request, root, continuation[position:], budget, costs, len(context) + position
+            drafter, request, root, continuation[position:], budget, costs if priced else None, at
         )
         in_drafter += step.propose_seconds + step.feedback_seconds
+        if costs is not None:
+            stats.verify_seconds += costs.seconds(1, len(step.proposal), at)
+            stats.plain_seconds += sum(costs.seconds(1, 0, at + k) for k in range(len(step.emitted)))
         stats.steps += 1
         stats.new_tokens += len(step.emitted)
         stats.accepted += min(step.accepted, len(step.emitted))
@@ -298,20 +319,23 @@ class ReplayReport:
             f"budget {s['budget']} nodes per step, {s['seconds']:.0f} s in all.",
             "",
             "| method | tokens/step | drafted/accepted | steps | accepted | drafted | seconds | drafter s | "
-            "drafter ms/step |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "drafter ms/step | modelled speedup |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for m in self.methods.values():
             per_step = 1000 * m.drafter_seconds / m.steps if m.steps else 0.0
             ratio = "-" if m.drafted_per_accepted is None else f"{m.drafted_per_accepted:.2f}"
+            modelled = "-" if m.modelled_speedup is None else f"{m.modelled_speedup:.2f}x"
             lines.append(
-                f"| {m.method} | {m.mean_accepted:.2f} | {ratio} | {m.steps} | "
-                f"{m.accepted} | {m.drafted} | {m.seconds:.1f} | {m.drafter_seconds:.1f} | {per_step:.3f} |"
+                f"| {m.method} | {m.mean_accepted:.2f} | {ratio} | {m.steps} | {m.accepted} | {m.drafted} | "
+                f"{m.seconds:.1f} | {m.drafter_seconds:.1f} | {per_step:.3f} | {modelled} |"
             )
         lines += [
             "",
             "tokens/step: mean tokens emitted per verification step, accepted drafts plus the bonus token "
-            "(plain decoding: 1.00). drafted/accepted: draft tokens verified per accepted draft token.",
+            "(plain decoding: 1.00). drafted/accepted: draft tokens verified per accepted draft token. "
+            "modelled speedup (with --costs): plain decoding's passes over the method's, each priced by "
+            "the verification costs for its draft tokens and context (drafting time not included).",
         ]
         return "\n".join(lines)
 
@@ -337,12 +361,14 @@ def run_replay(
     *,
     settings: Mapping[str, object] | None = None,
     progress: bool = True,
-    costs: Mapping[str, CostModel] | None = None,
+    costs: CostModel | None = None,
+    priced: Collection[str] = (),
 ) -> ReplayReport:
     """Replay every turn of every conversation through each drafter, turn by turn with the drafters
-    interleaved, each drafter keeping its state across turns and tasks; the drafters ``costs`` names
-    have their trees priced with those verification costs."""
-    costs = costs or {}
+    interleaved, each drafter keeping its state across turns and tasks.
+
+    With ``costs`` (batch-1 verification costs) every method's passes are timed by them, and the
+    drafters ``priced`` names have their trees cut by them each step, as the engine's budget does."""
     if budget < 1:
         raise ValueError(f"budget must be at least 1, got {budget}")
     started = time.perf_counter()
@@ -372,9 +398,8 @@ def run_replay(
             for turn_index, (context_end, end) in enumerate(conversation.turns):
                 context, continuation = tokens[:context_end], tokens[context_end:end]
                 for name, drafter in drafters.items():
-                    turn = replay_turn(
-                        drafter, (task_index, turn_index), context, continuation, budget, costs.get(name)
-                    )
+                    request = (task_index, turn_index)
+                    turn = replay_turn(drafter, request, context, continuation, budget, costs, name in priced)
                     task_totals[name].add(turn)
                 bar.update()
             for name, stats in task_totals.items():
