@@ -417,3 +417,33 @@ def test_sources_can_be_switched_off():
     assert proposal.tokens == (5, 6) and set(proposal.sources) == {"datastore"}
     with pytest.raises(ValueError):
         ReaderDrafter(history_tokens=-1)
+
+
+def test_a_next_turn_starts_from_a_copy_of_the_ended_turns_index(monkeypatch) -> None:
+    """A prompt that extends an ended request's whole text reuses its index: the same tables and
+    proposals as indexing from scratch, the ended index untouched, and another prompt indexed anew."""
+    rng = random.Random(3)
+    phrases = [[rng.randrange(50) for _ in range(6)] for _ in range(5)]
+    turn = [t for _ in range(30) for t in rng.choice(phrases)]
+    reused, fresh = ReaderDrafter(history_tokens=0), ReaderDrafter(history_tokens=0)
+    reused.begin("t1", turn[:100])
+    reused.extend("t1", turn[100:120])
+    reused.end("t1")
+    (ended,) = reused._ended
+    ended_tables = (list(ended.tokens), dict(ended._last), list(ended._prev), list(ended._depth))
+    copies, copy = [], NgramIndex.copy
+    monkeypatch.setattr(NgramIndex, "copy", lambda self: copies.append(self) or copy(self))
+    for drafter, name in ((reused, "t2"), (fresh, "t2")):
+        drafter.begin(name, turn[:120] + turn[120:170])
+    a, b = reused._requests["t2"].index, fresh._requests["t2"].index
+    assert a is not ended and (a._tokens, a._last, a._prev, a._depth) == (
+        b._tokens,
+        b._last,
+        b._prev,
+        b._depth,
+    )
+    assert a._suffix_match == b._suffix_match
+    assert reused.propose("t2", 12) == fresh.propose("t2", 12)
+    assert (list(ended.tokens), ended._last, ended._prev, ended._depth) == ended_tables
+    reused.begin("other", [7, 8, 9, *turn[:50]])  # not an extension: indexed from scratch
+    assert list(reused._requests["other"].index.tokens) == [7, 8, 9, *turn[:50]] and len(copies) == 1

@@ -64,6 +64,24 @@ class NgramIndex:
         """The indexed text (a live view: read it, never change it)."""
         return self._tokens
 
+    def copy(self) -> NgramIndex:
+        """An independent index of the same text: copying its tables runs at C speed, far below the
+        cost of indexing the text again (a conversation's next turn re-sends all of it)."""
+        other = NgramIndex(self.max_ngram)
+        other._tokens = list(self._tokens)
+        other._last = dict(self._last)
+        other._prev = list(self._prev)
+        other._depth = list(self._depth)
+        other._suffix_match = self._suffix_match
+        return other
+
+    def starts(self, text: Sequence[int]) -> bool:
+        """Whether ``text`` begins with the indexed text."""
+        n = len(self._tokens)
+        return (
+            n <= len(text) and (n == 0 or text[n - 1] == self._tokens[-1]) and list(text[:n]) == self._tokens
+        )
+
     def append(self, tokens: Iterable[int]) -> None:
         """Index new tokens one position at a time (the same work whether they come in bulk or not)."""
         toks, last, prev, depth = self._tokens, self._last, self._prev, self._depth
