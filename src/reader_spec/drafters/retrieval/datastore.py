@@ -50,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
+from reader_spec.drafters.retrieval import native
 from reader_spec.files import file_sha256
 
 log = logging.getLogger(__name__)
@@ -246,6 +247,10 @@ class Datastore:
         query = [int(t) for t in context[-max_suffix:]]
         if query and (min(query) < 0 or max(query) >= SEP):  # not token ids: nothing before them can match
             query = query[max(i for i, t in enumerate(query) if not 0 <= t < SEP) + 1 :]
+        core = native.core()
+        if core is not None and sys.byteorder == "little":
+            found = core.lookup(self.tokens, self.suffix_array, query, max_occurrences, max_depth)
+            return Lookup(*found) if found[0] else NO_LOOKUP
         lo, hi, length = self._longest_suffix(query)
         if length == 0:
             return NO_LOOKUP
@@ -270,6 +275,7 @@ class Datastore:
 
         Invariant: every entry in the range ends with the last ``length`` query tokens, and within
         the range the token ``length`` places back is sorted, so bisecting on it narrows the match.
+        (The compiled core bisects all the way; a small range is finished here by one scan.)
         """
         tok, sa = self._tok, self._sa
         lo, hi, length = 0, len(sa), 0

@@ -1,8 +1,10 @@
 """Continuations of every source merged into one draft: weighted prefix tries and best-first selection.
 
-Pure functions turn any source's continuations into a weighted prefix trie (``build_continuation_trie``)
-and pick the nodes of highest path probability in the union of the sources' tries under a node budget
-(``select_best_first``).
+``draft_tree`` is the entry point: it runs in the compiled retrieval core where that is built, else in
+the pure functions below, which define the rules: any source's continuations become a weighted prefix
+trie (``build_continuation_trie``), the nodes of highest path probability in the union of the sources'
+tries are picked under a node budget (``select_best_first``), and each source is credited with the
+nodes it labelled (``own_shares``). Both paths give identical drafts.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from reader_spec.drafters.retrieval import native
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
 
 
@@ -64,6 +67,40 @@ def build_continuation_trie(continuations: Iterable[tuple[Sequence[int], float]]
             weights[child] += weight
             node = child
     return trie
+
+
+@dataclass(frozen=True)
+class SourceMatch:
+    """One source's weighted continuations after its longest match, and how far to trust them by
+    depth (``confidence[d - 1]`` for edges into depth ``d``)."""
+
+    name: str
+    match_length: int
+    continuations: Sequence[tuple[Sequence[int], float]]
+    confidence: Sequence[float]
+
+
+def draft_tree(
+    sources: Sequence[SourceMatch], max_nodes: int, max_breadth: int | None = None
+) -> tuple[Proposal, tuple[tuple[float, ...], ...]]:
+    """The best nodes of the sources' merged tries (``select_best_first``), and per source its shares
+    of the nodes it labelled (``own_shares``), which is what calibration credits it with."""
+    nothing = tuple(() for _ in sources)
+    if max_nodes <= 0 or not sources:
+        return EMPTY_PROPOSAL, nothing
+    core = native.core()
+    if core is None:
+        tries = [
+            SourceTrie(s.name, s.match_length, build_continuation_trie(s.continuations), s.confidence)
+            for s in sources
+        ]
+        proposal = select_best_first(tries, max_nodes, max_breadth)
+        return proposal, tuple(own_shares(t, proposal) for t in tries) if proposal else nothing
+    raw = [(s.name, s.continuations, s.confidence) for s in sources]
+    tokens, parents, probs, labels, shares = core.draft_tree(raw, max_nodes, max_breadth or 0)
+    if not tokens:
+        return EMPTY_PROPOSAL, nothing
+    return Proposal(tokens, parents, probs, labels), shares
 
 
 @dataclass(frozen=True)
@@ -149,3 +186,15 @@ def edge_shares(trie: ContinuationTrie, proposal: Proposal) -> tuple[float, ...]
         nodes.append(node)
         shares.append(trie.weights[node] / trie.child_weights[above] if node >= 0 else 0.0)
     return tuple(shares)
+
+
+def own_shares(source: SourceTrie, proposal: Proposal) -> tuple[float, ...]:
+    """The source's shares of the nodes it labelled (its estimate was the one used), 0 elsewhere.
+
+    A source is calibrated only where its estimate decided: a corpus or history source that agrees
+    with the request's own text on likely tokens would otherwise be credited with those acceptances
+    and over-trusted where it alone proposes (measured before this rule: datastore-labelled nodes
+    accepted at about half their estimated rate).
+    """
+    shares = zip(edge_shares(source.trie, proposal), proposal.sources, strict=True)
+    return tuple(share if label == source.name else 0.0 for share, label in shares)

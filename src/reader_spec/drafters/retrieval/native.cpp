@@ -1,0 +1,441 @@
+// Drafting's hot loops in C++: the same rules as the pure Python functions they replace, to the bit.
+//
+// draft_tree: every source's weighted continuations merged into a prefix trie, then the nodes of
+//   highest path probability in the union of the tries picked best first (tries.py:
+//   build_continuation_trie, select_best_first, own_shares). Floating-point operations run in the
+//   same order as in Python, ties break the same way (children in insertion order, the heap by push
+//   order), so both paths give identical proposals.
+// lookup: a datastore's longest suffix of a query, by bisection on the memory-mapped arrays, and the
+//   counted continuations of a sample of its occurrences (datastore.py: Datastore.lookup).
+//
+// A Python extension on the CPython API alone (no pybind11, no torch headers): it compiles in seconds
+// and its calls cost about a microsecond.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <utility>
+#include <vector>
+
+namespace {
+
+struct Trie {
+  std::vector<int64_t> token{-1};
+  std::vector<int> depth{0};
+  std::vector<double> weight{0.0};
+  std::vector<double> child_weight{0.0};
+  std::vector<std::vector<std::pair<int64_t, int>>> children{{}};
+
+  int child(int node, int64_t tok) const {
+    for (const auto& [t, c] : children[node])
+      if (t == tok) return c;
+    return -1;
+  }
+};
+
+struct Source {
+  PyObject* name;  // borrowed from the caller's arguments
+  Trie trie;
+  std::vector<double> confidence;
+};
+
+// A Python int as int64; false with the Python error set.
+bool as_int64(PyObject* obj, int64_t* out) {
+  long long v = PyLong_AsLongLong(obj);
+  if (v == -1 && PyErr_Occurred()) return false;
+  *out = v;
+  return true;
+}
+
+// build_continuation_trie over a sequence of (tokens, weight) pairs.
+bool build_trie(PyObject* continuations, Trie* trie) {
+  PyObject* items = PySequence_Fast(continuations, "continuations must be a sequence");
+  if (!items) return false;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+  PyObject** item = PySequence_Fast_ITEMS(items);
+  bool ok = true;
+  for (Py_ssize_t i = 0; ok && i < n; ++i) {
+    PyObject* pair = PySequence_Fast(item[i], "a continuation must be a (tokens, weight) pair");
+    if (!pair || PySequence_Fast_GET_SIZE(pair) != 2) {
+      if (pair) PyErr_SetString(PyExc_ValueError, "a continuation must be a (tokens, weight) pair");
+      Py_XDECREF(pair);
+      ok = false;
+      break;
+    }
+    double w = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(pair, 1));
+    if (w == -1.0 && PyErr_Occurred()) ok = false;
+    PyObject* tokens = ok && !(w <= 0) ? PySequence_Fast(PySequence_Fast_GET_ITEM(pair, 0), "tokens") : nullptr;
+    if (ok && !(w <= 0) && !tokens) ok = false;
+    if (tokens) {
+      int node = 0;
+      trie->weight[0] += w;
+      Py_ssize_t m = PySequence_Fast_GET_SIZE(tokens);
+      PyObject** tok = PySequence_Fast_ITEMS(tokens);
+      for (Py_ssize_t j = 0; j < m; ++j) {
+        int64_t t;
+        if (!as_int64(tok[j], &t)) {
+          ok = false;
+          break;
+        }
+        trie->child_weight[node] += w;
+        int c = trie->child(node, t);
+        if (c < 0) {
+          c = static_cast<int>(trie->token.size());
+          trie->children[node].emplace_back(t, c);
+          trie->token.push_back(t);
+          trie->depth.push_back(trie->depth[node] + 1);
+          trie->weight.push_back(0.0);
+          trie->child_weight.push_back(0.0);
+          trie->children.emplace_back();
+        }
+        trie->weight[c] += w;
+        node = c;
+      }
+      Py_DECREF(tokens);
+    }
+    Py_DECREF(pair);
+  }
+  Py_DECREF(items);
+  return ok;
+}
+
+struct Candidate {
+  double prob;
+  int64_t order;  // push order: ties pop first-pushed first
+  int parent;
+  int label;
+  int64_t token;
+  int nodes;  // offset of its per-source nodes in the shared node store
+};
+
+struct Later {
+  bool operator()(const Candidate& a, const Candidate& b) const {
+    return a.prob < b.prob || (a.prob == b.prob && a.order > b.order);
+  }
+};
+
+struct Entry {
+  int64_t token;
+  double edge;
+  int label;
+  int nodes;
+};
+
+class Selector {
+ public:
+  Selector(std::vector<Source>& sources, Py_ssize_t max_breadth)
+      : sources_(sources), breadth_(max_breadth) {}
+
+  // push_children: every source's children of the path's nodes, the best estimate per token.
+  bool push(int nodes, double prob, int index) {
+    const size_t s = sources_.size();
+    entries_.clear();
+    for (size_t k = 0; k < s; ++k) {
+      int node = store_[nodes + k];
+      if (node < 0) continue;
+      const Trie& trie = sources_[k].trie;
+      const double total = trie.child_weight[node];
+      const std::vector<double>& confidence = sources_[k].confidence;
+      for (const auto& [tok, child] : trie.children[node]) {
+        size_t d = static_cast<size_t>(trie.depth[child]) - 1;
+        if (d >= confidence.size()) {
+          PyErr_SetString(PyExc_IndexError, "a continuation is deeper than its source's confidence list");
+          return false;
+        }
+        double x = confidence[d] * trie.weight[child] / total;
+        double edge = x < 1.0 ? x : 1.0;
+        Entry* entry = nullptr;
+        for (auto& e : entries_)
+          if (e.token == tok) {
+            entry = &e;
+            break;
+          }
+        if (!entry) {
+          int at = static_cast<int>(scratch_.size());
+          scratch_.insert(scratch_.end(), s, -1);
+          entries_.push_back({tok, 0.0, static_cast<int>(k), at});
+          entry = &entries_.back();
+        }
+        scratch_[entry->nodes + k] = child;
+        if (edge > entry->edge) {
+          entry->edge = edge;
+          entry->label = static_cast<int>(k);
+        }
+      }
+    }
+    std::stable_sort(entries_.begin(), entries_.end(),
+                     [](const Entry& a, const Entry& b) { return -a.edge < -b.edge; });
+    size_t keep = breadth_ > 0 ? std::min(entries_.size(), static_cast<size_t>(breadth_)) : entries_.size();
+    for (size_t i = 0; i < keep; ++i) {
+      const Entry& e = entries_[i];
+      double p = prob * e.edge;
+      if (p > 0.0) {
+        int at = static_cast<int>(store_.size());
+        store_.insert(store_.end(), scratch_.begin() + e.nodes, scratch_.begin() + e.nodes + s);
+        heap_.push_back({p, order_++, index, e.label, e.token, at});
+        std::push_heap(heap_.begin(), heap_.end(), Later());
+      }
+    }
+    scratch_.clear();
+    return true;
+  }
+
+  bool run(Py_ssize_t max_nodes) {
+    int root = static_cast<int>(store_.size());
+    store_.insert(store_.end(), sources_.size(), 0);
+    if (!push(root, 1.0, -1)) return false;
+    while (!heap_.empty() && static_cast<Py_ssize_t>(picked_.size()) < max_nodes) {
+      std::pop_heap(heap_.begin(), heap_.end(), Later());
+      Candidate c = heap_.back();
+      heap_.pop_back();
+      picked_.push_back(c);
+      if (!push(c.nodes, c.prob, static_cast<int>(picked_.size()) - 1)) return false;
+    }
+    return true;
+  }
+
+  // (tokens, parents, probs, labels, own shares per source)
+  PyObject* result() const {
+    const Py_ssize_t n = static_cast<Py_ssize_t>(picked_.size());
+    const size_t s = sources_.size();
+    PyObject* tokens = PyTuple_New(n);
+    PyObject* parents = PyTuple_New(n);
+    PyObject* probs = PyTuple_New(n);
+    PyObject* labels = PyTuple_New(n);
+    PyObject* shares = PyTuple_New(static_cast<Py_ssize_t>(s));
+    if (!tokens || !parents || !probs || !labels || !shares) goto fail;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const Candidate& c = picked_[i];
+      PyTuple_SET_ITEM(tokens, i, PyLong_FromLongLong(c.token));
+      PyTuple_SET_ITEM(parents, i, PyLong_FromLong(c.parent));
+      PyTuple_SET_ITEM(probs, i, PyFloat_FromDouble(c.prob));
+      PyObject* name = sources_[c.label].name;
+      Py_INCREF(name);
+      PyTuple_SET_ITEM(labels, i, name);
+    }
+    for (size_t k = 0; k < s; ++k) {
+      PyObject* own = PyTuple_New(n);
+      if (!own) goto fail;
+      PyTuple_SET_ITEM(shares, static_cast<Py_ssize_t>(k), own);
+      const Trie& trie = sources_[k].trie;
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        const Candidate& c = picked_[i];
+        double share = 0.0;
+        if (c.label == static_cast<int>(k)) {
+          int above = c.parent < 0 ? 0 : store_[picked_[c.parent].nodes + k];
+          share = trie.weight[store_[c.nodes + k]] / trie.child_weight[above];
+        }
+        PyTuple_SET_ITEM(own, i, PyFloat_FromDouble(share));
+      }
+    }
+    for (Py_ssize_t i = 0; i < n; ++i)
+      if (!PyTuple_GET_ITEM(tokens, i) || !PyTuple_GET_ITEM(parents, i) || !PyTuple_GET_ITEM(probs, i))
+        goto fail;
+    return Py_BuildValue("(NNNNN)", tokens, parents, probs, labels, shares);
+  fail:
+    Py_XDECREF(tokens);
+    Py_XDECREF(parents);
+    Py_XDECREF(probs);
+    Py_XDECREF(labels);
+    Py_XDECREF(shares);
+    return nullptr;
+  }
+
+ private:
+  std::vector<Source>& sources_;
+  Py_ssize_t breadth_;
+  std::vector<int> store_;    // per candidate, its node in each source's trie (-1: absent)
+  std::vector<int> scratch_;  // the same for the entries of one push
+  std::vector<Entry> entries_;
+  std::vector<Candidate> heap_;
+  std::vector<Candidate> picked_;
+  int64_t order_ = 0;
+};
+
+// draft_tree(sources, max_nodes, max_breadth): sources is a sequence of
+// (name, continuations, confidence); max_breadth 0 means unlimited.
+PyObject* draft_tree(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "draft_tree(sources, max_nodes, max_breadth)");
+    return nullptr;
+  }
+  Py_ssize_t max_nodes = PyLong_AsSsize_t(args[1]);
+  Py_ssize_t max_breadth = PyLong_AsSsize_t(args[2]);
+  if (PyErr_Occurred()) return nullptr;
+  PyObject* items = PySequence_Fast(args[0], "sources must be a sequence");
+  if (!items) return nullptr;
+  std::vector<Source> sources(static_cast<size_t>(PySequence_Fast_GET_SIZE(items)));
+  PyObject* result = nullptr;
+  for (size_t k = 0; k < sources.size(); ++k) {
+    PyObject* source = PySequence_Fast_GET_ITEM(items, static_cast<Py_ssize_t>(k));
+    if (!PyTuple_Check(source) || PyTuple_GET_SIZE(source) != 3) {
+      PyErr_SetString(PyExc_TypeError, "a source must be a (name, continuations, confidence) tuple");
+      goto done;
+    }
+    sources[k].name = PyTuple_GET_ITEM(source, 0);
+    if (!build_trie(PyTuple_GET_ITEM(source, 1), &sources[k].trie)) goto done;
+    PyObject* confidence = PySequence_Fast(PyTuple_GET_ITEM(source, 2), "confidence must be a sequence");
+    if (!confidence) goto done;
+    for (Py_ssize_t d = 0; d < PySequence_Fast_GET_SIZE(confidence); ++d) {
+      double c = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(confidence, d));
+      if (c == -1.0 && PyErr_Occurred()) break;
+      sources[k].confidence.push_back(c);
+    }
+    Py_DECREF(confidence);
+    if (PyErr_Occurred()) goto done;
+  }
+  {
+    Selector selector(sources, max_breadth);
+    if (max_nodes > 0 && !sources.empty() && selector.run(max_nodes)) result = selector.result();
+    else if (!PyErr_Occurred()) result = selector.result();
+  }
+done:
+  Py_DECREF(items);
+  return result;
+}
+
+// Bisection of datastore.py's _longest_suffix: entries of [lo, hi) all end with the query's last
+// `length` tokens, and are sorted by the token `length` places back.
+template <typename End>
+void longest_suffix_in(const uint32_t* tok, const End* sa, Py_ssize_t size, const std::vector<int64_t>& query,
+                       Py_ssize_t* lo_out, Py_ssize_t* hi_out, Py_ssize_t* length_out) {
+  Py_ssize_t lo = 0, hi = size, length = 0;
+  const Py_ssize_t n = static_cast<Py_ssize_t>(query.size());
+  while (length < n) {
+    const int64_t token = query[n - 1 - length];
+    const int64_t back = length;
+    auto key = [&](Py_ssize_t i) { return static_cast<int64_t>(tok[static_cast<int64_t>(sa[i]) - back]); };
+    Py_ssize_t a = lo, b = hi;  // first entry whose key is not below the token
+    while (a < b) {
+      Py_ssize_t mid = a + (b - a) / 2;
+      if (key(mid) < token) a = mid + 1;
+      else b = mid;
+    }
+    Py_ssize_t c = a, d = hi;  // first entry whose key is above it
+    while (c < d) {
+      Py_ssize_t mid = c + (d - c) / 2;
+      if (key(mid) <= token) c = mid + 1;
+      else d = mid;
+    }
+    if (a == c) break;
+    lo = a;
+    hi = c;
+    ++length;
+  }
+  *lo_out = lo;
+  *hi_out = hi;
+  *length_out = length;
+}
+
+constexpr uint32_t kSeparator = 0xFFFFFFFFu;
+
+// What follows `sampled` evenly spaced occurrences of [lo, hi), up to max_depth tokens cut at a
+// separator, counted per distinct continuation: most frequent first, ties in sampling order
+// (datastore.py: Datastore.lookup).
+template <typename End>
+std::vector<std::pair<std::vector<uint32_t>, Py_ssize_t>> count_continuations(
+    const uint32_t* tok, const End* sa, Py_ssize_t size, Py_ssize_t lo, Py_ssize_t total, Py_ssize_t sampled,
+    Py_ssize_t max_depth) {
+  std::vector<std::pair<std::vector<uint32_t>, Py_ssize_t>> counted;
+  std::map<std::vector<uint32_t>, size_t> seen;
+  std::vector<uint32_t> row;
+  for (Py_ssize_t i = 0; i < sampled; ++i) {
+    const int64_t end = static_cast<int64_t>(sa[lo + (static_cast<int64_t>(i) * total) / sampled]);
+    row.clear();
+    for (Py_ssize_t j = 1; j <= max_depth; ++j) {
+      const uint32_t t = tok[std::min<int64_t>(end + j, size - 1)];
+      if (t == kSeparator) break;
+      row.push_back(t);
+    }
+    if (row.empty()) continue;
+    auto [at, fresh] = seen.emplace(row, counted.size());
+    if (fresh) counted.emplace_back(row, 0);
+    ++counted[at->second].second;
+  }
+  std::stable_sort(counted.begin(), counted.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  return counted;
+}
+
+// lookup(tokens, suffix_array, query, max_occurrences, max_depth): (length, occurrences, sampled,
+// continuations) of the query's longest suffix; tokens is a uint32 buffer, the suffix array an int32 or
+// int64 buffer of the same length (little-endian, as the files store them).
+PyObject* lookup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "lookup(tokens, suffix_array, query, max_occurrences, max_depth)");
+    return nullptr;
+  }
+  const Py_ssize_t max_occurrences = PyLong_AsSsize_t(args[3]);
+  const Py_ssize_t max_depth = PyLong_AsSsize_t(args[4]);
+  if (PyErr_Occurred()) return nullptr;
+  std::vector<int64_t> query;
+  PyObject* items = PySequence_Fast(args[2], "query must be a sequence");
+  if (!items) return nullptr;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items); ++i) {
+    int64_t t;
+    if (!as_int64(PySequence_Fast_GET_ITEM(items, i), &t)) {
+      Py_DECREF(items);
+      return nullptr;
+    }
+    query.push_back(t);
+  }
+  Py_DECREF(items);
+  Py_buffer tokens, sa;
+  if (PyObject_GetBuffer(args[0], &tokens, PyBUF_SIMPLE) < 0) return nullptr;
+  if (PyObject_GetBuffer(args[1], &sa, PyBUF_SIMPLE) < 0) {
+    PyBuffer_Release(&tokens);
+    return nullptr;
+  }
+  const Py_ssize_t size = tokens.len / 4;
+  PyObject* result = nullptr;
+  if (tokens.len % 4 != 0 || size < 1 || (sa.len != size * 4 && sa.len != size * 8)) {
+    PyErr_SetString(PyExc_ValueError, "the token and suffix arrays disagree in length");
+  } else {
+    const auto* tok = static_cast<const uint32_t*>(tokens.buf);
+    Py_ssize_t lo = 0, hi = 0, length = 0, sampled = 0;
+    std::vector<std::pair<std::vector<uint32_t>, Py_ssize_t>> counted;
+    Py_BEGIN_ALLOW_THREADS;
+    auto search = [&](const auto* ends) {
+      longest_suffix_in(tok, ends, size, query, &lo, &hi, &length);
+      if (length > 0) {
+        sampled = std::min(max_occurrences, hi - lo);
+        counted = count_continuations(tok, ends, size, lo, hi - lo, sampled, max_depth);
+      }
+    };
+    if (sa.len == size * 4) search(static_cast<const int32_t*>(sa.buf));
+    else search(static_cast<const int64_t*>(sa.buf));
+    Py_END_ALLOW_THREADS;
+    PyObject* continuations = PyTuple_New(static_cast<Py_ssize_t>(counted.size()));
+    for (size_t i = 0; continuations && i < counted.size(); ++i) {
+      const auto& [row, count] = counted[i];
+      PyObject* key = PyTuple_New(static_cast<Py_ssize_t>(row.size()));
+      if (!key) {
+        Py_CLEAR(continuations);
+        break;
+      }
+      for (size_t j = 0; j < row.size(); ++j) PyTuple_SET_ITEM(key, j, PyLong_FromUnsignedLong(row[j]));
+      PyTuple_SET_ITEM(continuations, i, Py_BuildValue("(Nn)", key, count));
+    }
+    if (continuations)
+      result = Py_BuildValue("(nnnN)", length, length ? hi - lo : 0, sampled, continuations);
+  }
+  PyBuffer_Release(&sa);
+  PyBuffer_Release(&tokens);
+  return result;
+}
+
+PyMethodDef methods[] = {
+    {"draft_tree", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(draft_tree)), METH_FASTCALL,
+     "Merge sources' continuations into tries and pick the best nodes: (tokens, parents, probs, labels, "
+     "own shares)."},
+    {"lookup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(lookup)), METH_FASTCALL,
+     "A datastore's longest suffix of a query and the counted continuations of its occurrences."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "reader_spec_retrieval", nullptr, -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_reader_spec_retrieval() { return PyModule_Create(&module); }

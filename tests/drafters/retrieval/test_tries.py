@@ -1,0 +1,58 @@
+"""The compiled retrieval core gives the pure functions' drafts to the bit, ties included."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from reader_spec.drafters.retrieval import native
+from reader_spec.drafters.retrieval.calibration import AcceptanceCalibrator
+from reader_spec.drafters.retrieval.tries import SourceMatch, draft_tree
+
+
+def random_sources(rng: random.Random) -> list[SourceMatch]:
+    """Up to 3 sources over a small alphabet with integer weights and coarse confidences, so shared
+    prefixes, tokens proposed by several sources and exactly equal probabilities are common."""
+    sources = []
+    for name in rng.sample(["context", "history", "datastore"], rng.randint(1, 3)):
+        depth = rng.randint(1, 8)
+        continuations = [
+            ([rng.randrange(5) for _ in range(rng.randint(0, depth))], float(rng.choice([0, 1, 1, 2, 3])))
+            for _ in range(rng.randint(0, 12))
+        ]
+        confidence = [rng.choice([0.0, 0.25, 0.5, 1.0, 1.5, rng.random()]) for _ in range(depth)]
+        sources.append(SourceMatch(name, rng.randint(1, 9), continuations, confidence))
+    return sources
+
+
+def test_compiled_and_pure_drafts_are_identical(monkeypatch):
+    assert native.core() is not None, "the compiled retrieval core must build here (make builds it)"
+    rng = random.Random(11)
+    compared = nonempty = 0
+    for _ in range(3000):
+        sources = random_sources(rng)
+        max_nodes, max_breadth = rng.randint(0, 40), rng.choice([None, 1, 2, 3])
+        compiled = draft_tree(sources, max_nodes, max_breadth)
+        with monkeypatch.context() as m:
+            m.setattr(native, "core", lambda: None)
+            pure = draft_tree(sources, max_nodes, max_breadth)
+        assert compiled == pure, (sources, max_nodes, max_breadth)
+        compared += 1
+        nonempty += bool(pure[0])
+    assert nonempty > compared // 2
+
+
+def test_a_continuation_deeper_than_its_confidence_is_refused(retrieval_path):
+    with pytest.raises(IndexError):
+        draft_tree([SourceMatch("context", 1, [([1, 2, 3], 1.0)], [0.5])], 4)
+
+
+def test_confidences_equal_confidence_per_length():
+    calibrator = AcceptanceCalibrator()
+    for length, hits in ((1, 3.0), (4, 1.0), (7, 0.0), (12, 5.0)):
+        calibrator.update(length, hits, 5.0)
+    for first in range(0, 14):
+        for count in range(0, 12):
+            expected = [calibrator.confidence(first + d) for d in range(count)]
+            assert calibrator.confidences(first, count) == expected
