@@ -18,14 +18,17 @@ def calibration_trials(
     source proposed. Levels where the source proposed nothing tested carry no evidence and are skipped.
     """
     path = [-1, *accepted]
+    tested_at = {node: depth for depth, node in enumerate(path, 1)}  # whose children depth d tests
+    exposures = [0.0] * (len(path) + 1)
+    for i, parent in enumerate(proposal.parents):
+        depth = tested_at.get(parent)
+        if depth is not None:
+            exposures[depth] += shares[i]
     trials = []
     for depth in range(1, len(path) + 1):
-        above = path[depth - 1]
-        tested = [i for i, parent in enumerate(proposal.parents) if parent == above]
-        exposure = sum(shares[i] for i in tested)
-        if exposure > 0:
+        if exposures[depth] > 0:
             hit = depth < len(path) and shares[path[depth]] > 0
-            trials.append((depth, hit, exposure))
+            trials.append((depth, hit, exposures[depth]))
     return trials
 
 
