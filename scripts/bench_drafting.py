@@ -3,9 +3,10 @@
 No model runs: each request's continuation is replayed as the target model's greedy output, as in
 ``reader bench --replay``. A batch of B requests, each with a C-token prompt drawn from the
 phrase stream of ``bench_context_index.py`` (Zipf-popular sentences with fresh tokens between; each
-request draws its own), is indexed (``begin``), then decodes ``--steps`` steps; a step is every
-request's ``propose`` and ``observe`` + ``extend`` one after the other, as the engine runs them today.
-Prints the index build and the median and p99 of the batch's drafting time per step.
+request draws its own), is indexed (``begin``), then decodes ``--steps`` steps; a step is the batch's
+proposals (``propose_all``: one ``propose_batch`` call where the drafter has one, as the engine calls
+it) and every request's feedback (``observe`` + ``extend``). Prints the index build and the median and
+p99 of the batch's drafting time per step (verifying against the recording is not counted).
 
 ``--datastore-tokens N`` adds a corpus datastore of N tokens to the drafters that read one
 (``reader``): documents of sentences drawn, Zipf-popular, from the same pools as the requests' text,
@@ -28,8 +29,9 @@ from pathlib import Path
 import numpy as np
 from bench_context_index import phrase_pool, phrase_stream, take
 
-from reader_spec.bench.replay import replay_step
+from reader_spec.bench.replay import settle
 from reader_spec.drafters import DRAFTERS
+from reader_spec.drafters.base import propose_all
 from reader_spec.drafters.retrieval.datastore import Datastore, DatastoreError
 from reader_spec.files import cache_root
 
@@ -93,16 +95,19 @@ def run(
     build = time.perf_counter() - started
     positions, roots = [0] * batch, [p[-1] for p in prompts]
     per_step, emitted = [], 0
+    requests = list(range(batch))
     for _ in range(steps):
         started = time.perf_counter()
-        for request in range(batch):
-            step = replay_step(
-                drafter, request, roots[request], outputs[request][positions[request] :], spec_budget
-            )
+        proposals = propose_all(drafter, requests, spec_budget)
+        seconds = time.perf_counter() - started
+        for request, proposal in zip(requests, proposals, strict=True):
+            recording = outputs[request][positions[request] :]
+            step = settle(drafter, request, roots[request], recording, proposal.truncated(spec_budget))
+            seconds += step.feedback_seconds
             positions[request] += len(step.emitted)
             roots[request] = step.emitted[-1]
             emitted += len(step.emitted)
-        per_step.append(time.perf_counter() - started)
+        per_step.append(seconds)
     ordered = sorted(per_step)
     return {
         "build_s": build,

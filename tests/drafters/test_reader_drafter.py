@@ -500,3 +500,30 @@ def test_compiled_and_pure_drafting_agree_through_a_whole_run(tmp_path, monkeypa
     assert sum(len(p) for p in pure[0]) > 1000 and {"datastore", "history", "context"} <= {
         s for p in pure[0] for s in p.sources
     }
+
+
+def test_a_batch_proposes_what_its_requests_propose_one_by_one(tmp_path, retrieval_path):
+    """propose_batch (one datastore call for the batch, parallel in the compiled core) equals each
+    request's propose, with every source on."""
+    from reader_spec.drafters.retrieval.datastore import Datastore
+
+    rng = random.Random(8)
+    phrases = [[rng.randrange(30) for _ in range(rng.randint(3, 8))] for _ in range(10)]
+    documents = [[t for _ in range(20) for t in rng.choice(phrases)] for _ in range(10)]
+    store = Datastore.build(tmp_path / "store", documents, fingerprint="fp", model="m")
+    texts = [[t for _ in range(30) for t in rng.choice(phrases)] for _ in range(6)]
+    batched, single = ReaderDrafter(datastore=store), ReaderDrafter(datastore=store)
+    for drafter in (batched, single):
+        drafter.begin("old", texts[0][:50])
+        drafter.end("old")  # something in the history
+        for number, text in enumerate(texts[1:]):
+            drafter.begin(number, text[:40])
+    requests = list(range(len(texts) - 1))
+    for at in range(40, 140, 10):
+        one_call = batched.propose_batch(requests, 16)
+        assert one_call == [single.propose(r, 16) for r in requests]
+        assert any(set(p.sources) & {"datastore"} for p in one_call)
+        for drafter in (batched, single):
+            for r in requests:
+                drafter.extend(r, texts[r + 1][at : at + 10])
+    assert batched.propose_batch(requests, 0) == [EMPTY_PROPOSAL] * len(requests)

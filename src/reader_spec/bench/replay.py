@@ -246,7 +246,19 @@ def replay_step(
     else:  # the engine's _draft at batch 1
         (proposal,) = propose_all(drafter, [request], max_nodes, costs.table(1, max_nodes, context))
         proposal = proposal.truncated(allocate([proposal], costs, max_nodes, context)[0])
-    propose_seconds = time.perf_counter() - clock
+    return settle(drafter, request, root, recording, proposal, time.perf_counter() - clock)
+
+
+def settle(
+    drafter: Drafter,
+    request: Hashable,
+    root: int,
+    recording: Sequence[int],
+    proposal: Proposal,
+    propose_seconds: float = 0.0,
+) -> ReplayedStep:
+    """Verify a proposal against the recorded continuation (as a greedy pass of the model that
+    produced it would) and feed the outcome back to the drafter."""
     tree = DraftTree.from_proposal(root, proposal)
     path, _ = tree.walk(_recorded(recording, tree.depths))
     accepted = len(path) - 1

@@ -232,7 +232,7 @@ class FusedDrafter:
         self, requests: Sequence[Hashable], max_nodes: int, verify_seconds: Sequence[float] | None = None
     ) -> list[Proposal]:
         started = time.perf_counter()
-        retrieved = [self.retrieval.propose(request, max_nodes) for request in requests]
+        retrieved = self.retrieval.propose_batch(requests, max_nodes)
         if self.mode == "reader":
             drafted = self._reader_model(requests, retrieved, max_nodes, verify_seconds, started)
             kept = retrieved

@@ -47,8 +47,13 @@ class DatastoreSource:
     def lookup(
         self, text: Sequence[int], max_occurrences: int, max_depth: int
     ) -> tuple[int, Sequence[tuple[Sequence[int], float]]]:
-        found = self.datastore.lookup(text, self.max_suffix, max_occurrences, max_depth)
-        return found.match_length, found.continuations
+        return self.lookup_batch([text], max_occurrences, max_depth)[0]
+
+    def lookup_batch(
+        self, texts: Sequence[Sequence[int]], max_occurrences: int, max_depth: int
+    ) -> list[tuple[int, Sequence[tuple[Sequence[int], float]]]]:
+        found = self.datastore.lookup_batch(texts, self.max_suffix, max_occurrences, max_depth)
+        return [(one.match_length, one.continuations) for one in found]
 
 
 @dataclass(frozen=True)
@@ -125,29 +130,52 @@ class ReaderDrafter:
         self._requests[request].index.append(tokens)
 
     def propose(self, request: Hashable, max_nodes: int) -> Proposal:
-        state = self._requests[request]
-        state.pending = None
-        if max_nodes <= 0:
-            return EMPTY_PROPOSAL
-        depth = min(self.max_depth, max_nodes)  # a node at depth d needs d nodes of budget
-        matches = [m for m in self._source_matches(state.index, depth) if m.match_length >= self.min_match]
-        proposal, shares = draft_tree(matches, max_nodes, self.max_breadth)
-        if proposal:
-            sources = tuple((m.name, m.match_length, own) for m, own in zip(matches, shares, strict=True))
-            state.pending = _Pending(proposal, sources)
-        return proposal
+        return self.propose_batch([request], max_nodes)[0]
 
-    def _source_matches(self, index: NgramIndex, depth: int) -> list[SourceMatch]:
+    def propose_batch(
+        self, requests: Sequence[Hashable], max_nodes: int, verify_seconds: Sequence[float] | None = None
+    ) -> list[Proposal]:
+        """Every request's proposal for one step, the datastore searched for the whole batch in one
+        call (in parallel in the compiled core). Retrieval needs no pricing: ``verify_seconds`` is
+        accepted for the batched-drafter interface and not used."""
+        states = [self._requests[request] for request in requests]
+        for state in states:
+            state.pending = None
+        if max_nodes <= 0:
+            return [EMPTY_PROPOSAL] * len(states)
+        depth = min(self.max_depth, max_nodes)  # a node at depth d needs d nodes of budget
+        stored: list = [None] * len(states)
+        if self.datastore is not None:
+            stored = _lookup_all(
+                self.datastore, [s.index.tokens for s in states], self.max_occurrences, depth
+            )
+        proposals = []
+        for state, found in zip(states, stored, strict=True):
+            matches = [
+                m for m in self._source_matches(state.index, depth, found) if m.match_length >= self.min_match
+            ]
+            proposal, shares = draft_tree(matches, max_nodes, self.max_breadth)
+            if proposal:
+                sources = tuple((m.name, m.match_length, own) for m, own in zip(matches, shares, strict=True))
+                state.pending = _Pending(proposal, sources)
+            proposals.append(proposal)
+        return proposals
+
+    def _source_matches(
+        self, index: NgramIndex, depth: int, stored: tuple[int, Sequence[tuple[Sequence[int], float]]] | None
+    ) -> list[SourceMatch]:
+        """Each source's match: the request's text, the history, and the datastore's (looked up for
+        the batch beforehand: ``stored``)."""
         matches = []
         if self.use_context:
             match = index.longest_match()
             continuations = index.continuations(match, self.max_occurrences, depth)
             matches.append(self._match("context", match.length, [(c, 1.0) for c in continuations], depth))
-        text = index.tokens
-        for name, source in (("history", self.history), ("datastore", self.datastore)):
-            if source is not None:
-                length, continuations = source.lookup(text, self.max_occurrences, depth)
-                matches.append(self._match(name, length, continuations, depth))
+        if self.history is not None:
+            length, continuations = self.history.lookup(index.tokens, self.max_occurrences, depth)
+            matches.append(self._match("history", length, continuations, depth))
+        if stored is not None:
+            matches.append(self._match("datastore", *stored, depth))
         return matches
 
     def _match(self, name: str, length: int, continuations, depth: int) -> SourceMatch:
@@ -176,3 +204,13 @@ class ReaderDrafter:
             self.history.add(state.index.tokens[state.prompt_length :])
         if len(state.index) > 1:
             self._ended.append(state.index)
+
+
+def _lookup_all(
+    source: ContinuationSource, texts: Sequence[Sequence[int]], max_occurrences: int, max_depth: int
+) -> list[tuple[int, Sequence[tuple[Sequence[int], float]]]]:
+    """A source's lookups for a batch: in one call where it has ``lookup_batch`` (a datastore)."""
+    batched = getattr(source, "lookup_batch", None)
+    if batched is not None:
+        return batched(texts, max_occurrences, max_depth)
+    return [source.lookup(text, max_occurrences, max_depth) for text in texts]

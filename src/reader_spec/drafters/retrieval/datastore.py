@@ -242,15 +242,26 @@ class Datastore:
         Reads what follows up to ``max_occurrences`` of its occurrences, evenly spaced over all of them
         (a stratified sample, ordered by the text before the match), ``max_depth`` tokens each.
         """
+        return self.lookup_batch([context], max_suffix, max_occurrences, max_depth)[0]
+
+    def lookup_batch(
+        self,
+        contexts: Sequence[Sequence[int]],
+        max_suffix: int = 32,
+        max_occurrences: int = 64,
+        max_depth: int = 16,
+    ) -> list[Lookup]:
+        """``lookup`` of every context of a batch; the compiled core searches them in parallel."""
         if max_suffix < 1 or max_occurrences < 1 or max_depth < 1:
             raise ValueError("max_suffix, max_occurrences and max_depth must be at least 1")
-        query = [int(t) for t in context[-max_suffix:]]
-        if query and (min(query) < 0 or max(query) >= SEP):  # not token ids: nothing before them can match
-            query = query[max(i for i, t in enumerate(query) if not 0 <= t < SEP) + 1 :]
+        queries = [_query(context, max_suffix) for context in contexts]
         core = native.core()
-        if core is not None and sys.byteorder == "little":
-            found = core.lookup(self.tokens, self.suffix_array, query, max_occurrences, max_depth)
-            return Lookup(*found) if found[0] else NO_LOOKUP
+        if core is None or sys.byteorder != "little":
+            return [self._lookup(query, max_occurrences, max_depth) for query in queries]
+        found = core.lookup(self.tokens, self.suffix_array, queries, max_occurrences, max_depth)
+        return [Lookup(*one) if one[0] else NO_LOOKUP for one in found]
+
+    def _lookup(self, query: list[int], max_occurrences: int, max_depth: int) -> Lookup:
         lo, hi, length = self._longest_suffix(query)
         if length == 0:
             return NO_LOOKUP
@@ -308,6 +319,15 @@ class Datastore:
             return lo, hi, length
         rows = np.flatnonzero(runs == best)
         return lo + int(rows[0]), lo + int(rows[-1]) + 1, length + best
+
+
+def _query(context: Sequence[int], max_suffix: int) -> list[int]:
+    """The context's last ``max_suffix`` tokens, after its last non-token-id (a barrier: nothing
+    before it can match)."""
+    query = [int(t) for t in context[-max_suffix:]]
+    if query and (min(query) < 0 or max(query) >= SEP):
+        query = query[max(i for i, t in enumerate(query) if not 0 <= t < SEP) + 1 :]
+    return query
 
 
 # --- reading ---------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@
 //   build_continuation_trie, select_best_first, own_shares). Floating-point operations run in the
 //   same order as in Python, ties break the same way (children in insertion order, the heap by push
 //   order), so both paths give identical proposals.
-// lookup: a datastore's longest suffix of a query, by bisection on the memory-mapped arrays, and the
-//   counted continuations of a sample of its occurrences (datastore.py: Datastore.lookup).
+// lookup: a datastore's longest suffix of each query of a batch, by bisection on the memory-mapped
+//   arrays, and the counted continuations of a sample of its occurrences (datastore.py:
+//   Datastore.lookup); the queries run in parallel.
 //
 // A Python extension on the CPython API alone (no pybind11, no torch headers): it compiles in seconds
 // and its calls cost about a microsecond.
@@ -359,27 +360,80 @@ std::vector<std::pair<std::vector<uint32_t>, Py_ssize_t>> count_continuations(
   return counted;
 }
 
-// lookup(tokens, suffix_array, query, max_occurrences, max_depth): (length, occurrences, sampled,
-// continuations) of the query's longest suffix; tokens is a uint32 buffer, the suffix array an int32 or
-// int64 buffer of the same length (little-endian, as the files store them).
+struct Found {
+  Py_ssize_t length = 0, occurrences = 0, sampled = 0;
+  std::vector<std::pair<std::vector<uint32_t>, Py_ssize_t>> continuations;
+};
+
+// One query's longest suffix and counted continuations; reads the arrays only (no Python objects).
+template <typename End>
+Found search(const uint32_t* tok, const End* sa, Py_ssize_t size, const std::vector<int64_t>& query,
+             Py_ssize_t max_occurrences, Py_ssize_t max_depth) {
+  Found found;
+  Py_ssize_t lo = 0, hi = 0;
+  longest_suffix_in(tok, sa, size, query, &lo, &hi, &found.length);
+  if (found.length > 0) {
+    found.occurrences = hi - lo;
+    found.sampled = std::min(max_occurrences, hi - lo);
+    found.continuations = count_continuations(tok, sa, size, lo, hi - lo, found.sampled, max_depth);
+  }
+  return found;
+}
+
+// (length, occurrences, sampled, continuations) as Datastore.lookup's Lookup takes them.
+PyObject* as_python(const Found& found) {
+  PyObject* continuations = PyTuple_New(static_cast<Py_ssize_t>(found.continuations.size()));
+  if (!continuations) return nullptr;
+  for (size_t i = 0; i < found.continuations.size(); ++i) {
+    const auto& [row, count] = found.continuations[i];
+    PyObject* key = PyTuple_New(static_cast<Py_ssize_t>(row.size()));
+    if (!key) {
+      Py_DECREF(continuations);
+      return nullptr;
+    }
+    for (size_t j = 0; j < row.size(); ++j) PyTuple_SET_ITEM(key, j, PyLong_FromUnsignedLong(row[j]));
+    PyTuple_SET_ITEM(continuations, i, Py_BuildValue("(Nn)", key, count));
+  }
+  return Py_BuildValue("(nnnN)", found.length, found.occurrences, found.sampled, continuations);
+}
+
+bool as_query(PyObject* sequence, std::vector<int64_t>* query) {
+  PyObject* items = PySequence_Fast(sequence, "a query must be a sequence of token ids");
+  if (!items) return false;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items); ++i) {
+    int64_t t;
+    if (!as_int64(PySequence_Fast_GET_ITEM(items, i), &t)) {
+      Py_DECREF(items);
+      return false;
+    }
+    query->push_back(t);
+  }
+  Py_DECREF(items);
+  return true;
+}
+
+// lookup(tokens, suffix_array, queries, max_occurrences, max_depth): for every query, (length,
+// occurrences, sampled, continuations) of its longest suffix. tokens is a uint32 buffer, the suffix
+// array an int32 or int64 buffer of the same length (little-endian, as the files store them). The
+// searches of a batch run in parallel, without the GIL: each is a chain of dependent reads from
+// memory, so they overlap well.
 PyObject* lookup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 5) {
-    PyErr_SetString(PyExc_TypeError, "lookup(tokens, suffix_array, query, max_occurrences, max_depth)");
+    PyErr_SetString(PyExc_TypeError, "lookup(tokens, suffix_array, queries, max_occurrences, max_depth)");
     return nullptr;
   }
   const Py_ssize_t max_occurrences = PyLong_AsSsize_t(args[3]);
   const Py_ssize_t max_depth = PyLong_AsSsize_t(args[4]);
   if (PyErr_Occurred()) return nullptr;
-  std::vector<int64_t> query;
-  PyObject* items = PySequence_Fast(args[2], "query must be a sequence");
+  PyObject* items = PySequence_Fast(args[2], "queries must be a sequence");
   if (!items) return nullptr;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items); ++i) {
-    int64_t t;
-    if (!as_int64(PySequence_Fast_GET_ITEM(items, i), &t)) {
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+  std::vector<std::vector<int64_t>> queries(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!as_query(PySequence_Fast_GET_ITEM(items, i), &queries[i])) {
       Py_DECREF(items);
       return nullptr;
     }
-    query.push_back(t);
   }
   Py_DECREF(items);
   Py_buffer tokens, sa;
@@ -394,32 +448,21 @@ PyObject* lookup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_ValueError, "the token and suffix arrays disagree in length");
   } else {
     const auto* tok = static_cast<const uint32_t*>(tokens.buf);
-    Py_ssize_t lo = 0, hi = 0, length = 0, sampled = 0;
-    std::vector<std::pair<std::vector<uint32_t>, Py_ssize_t>> counted;
+    const bool wide = sa.len == size * 8;
+    std::vector<Found> found(static_cast<size_t>(n));
     Py_BEGIN_ALLOW_THREADS;
-    auto search = [&](const auto* ends) {
-      longest_suffix_in(tok, ends, size, query, &lo, &hi, &length);
-      if (length > 0) {
-        sampled = std::min(max_occurrences, hi - lo);
-        counted = count_continuations(tok, ends, size, lo, hi - lo, sampled, max_depth);
-      }
-    };
-    if (sa.len == size * 4) search(static_cast<const int32_t*>(sa.buf));
-    else search(static_cast<const int64_t*>(sa.buf));
-    Py_END_ALLOW_THREADS;
-    PyObject* continuations = PyTuple_New(static_cast<Py_ssize_t>(counted.size()));
-    for (size_t i = 0; continuations && i < counted.size(); ++i) {
-      const auto& [row, count] = counted[i];
-      PyObject* key = PyTuple_New(static_cast<Py_ssize_t>(row.size()));
-      if (!key) {
-        Py_CLEAR(continuations);
-        break;
-      }
-      for (size_t j = 0; j < row.size(); ++j) PyTuple_SET_ITEM(key, j, PyLong_FromUnsignedLong(row[j]));
-      PyTuple_SET_ITEM(continuations, i, Py_BuildValue("(Nn)", key, count));
+#pragma omp parallel for schedule(dynamic) if (n > 1)
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      found[i] = wide ? search(tok, static_cast<const int64_t*>(sa.buf), size, queries[i], max_occurrences, max_depth)
+                      : search(tok, static_cast<const int32_t*>(sa.buf), size, queries[i], max_occurrences, max_depth);
     }
-    if (continuations)
-      result = Py_BuildValue("(nnnN)", length, length ? hi - lo : 0, sampled, continuations);
+    Py_END_ALLOW_THREADS;
+    result = PyList_New(n);
+    for (Py_ssize_t i = 0; result && i < n; ++i) {
+      PyObject* one = as_python(found[i]);
+      if (!one) Py_CLEAR(result);
+      else PyList_SET_ITEM(result, i, one);
+    }
   }
   PyBuffer_Release(&sa);
   PyBuffer_Release(&tokens);
@@ -431,7 +474,7 @@ PyMethodDef methods[] = {
      "Merge sources' continuations into tries and pick the best nodes: (tokens, parents, probs, labels, "
      "own shares)."},
     {"lookup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(lookup)), METH_FASTCALL,
-     "A datastore's longest suffix of a query and the counted continuations of its occurrences."},
+     "For each query, a datastore's longest suffix of it and the counted continuations of its occurrences."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "reader_spec_retrieval", nullptr, -1, methods};
