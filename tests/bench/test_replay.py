@@ -265,6 +265,19 @@ def test_cli_replay(tmp_path, tokenizer, monkeypatch, capsys):
     saved = json.loads((out / "replay.json").read_text())
     assert saved["settings"]["tasks"] == 1 and saved["settings"]["budget"] == 4
     assert set(saved["methods"]) == {"pld", "suffix", "reader"}
+    drafters = saved["settings"]["drafters"]  # each peer is reported with its settings
+    assert drafters["suffix"] == {
+        "max_depth": 64,
+        "max_spec_factor": 1.0,
+        "max_spec_offset": 0.0,
+        "min_token_prob": 0.1,
+        "use_tree": True,
+        "priced": False,
+    }
+    assert drafters["pld"] == {"num_tokens": 10, "max_ngram": 2, "min_ngram": 1, "priced": False}
+    assert drafters["reader"]["sources"] == "context+history" and drafters["reader"]["max_depth"] == 16
+    assert "- suffix: max_depth=64, max_spec_factor=1.0" in printed
+    assert "(proposals verified whole)" in printed
     assert main([*argv, "--methods", "eagle"]) == 2
     assert "unknown replay method eagle" in capsys.readouterr().err
 

@@ -309,6 +309,13 @@ def replay_turn(
     return stats
 
 
+def _describe(settings: Mapping[str, object]) -> str:
+    """A drafter's settings on one line; ``priced`` says how its trees were sized."""
+    rest = ", ".join(f"{key}={value}" for key, value in settings.items() if key != "priced")
+    sizing = "trees priced and cut by the costs" if settings.get("priced") else "proposals verified whole"
+    return f"{rest or 'defaults'} ({sizing})"
+
+
 def _recorded(recording: Sequence[int], depths: Sequence[int]) -> Callable[[int], int]:
     """The replay's target model: the recorded token after each tree node, -1 past the recording."""
     end = len(recording)
@@ -342,6 +349,10 @@ class ReplayReport:
                 f"| {m.method} | {m.mean_accepted:.2f} | {ratio} | {m.steps} | {m.accepted} | {m.drafted} | "
                 f"{m.seconds:.1f} | {m.drafter_seconds:.1f} | {per_step:.3f} | {modelled} |"
             )
+        drafters = s.get("drafters", {})
+        if drafters:
+            lines += ["", "Settings of each drafter:"]
+            lines += [f"- {name}: {_describe(settings)}" for name, settings in drafters.items()]
         lines += [
             "",
             "tokens/step: mean tokens emitted per verification step, accepted drafts plus the bonus token "
@@ -392,6 +403,10 @@ def run_replay(
             "tasks": len(conversations),
             "turns": sum(len(c.turns) for c in conversations),
             "tokens": sum(b - a for c in conversations for a, b in c.turns),
+            "drafters": {
+                name: {**getattr(drafter, "settings", {}), "priced": costs is not None and name in priced}
+                for name, drafter in drafters.items()
+            },
         },
         environment={
             "python": platform.python_version(),

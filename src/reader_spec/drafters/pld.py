@@ -93,6 +93,10 @@ class PromptLookupDrafter:
         self.min_ngram = min_ngram
         self._texts: dict[Hashable, GrowingTokens] = {}
 
+    @property
+    def settings(self) -> dict[str, int]:
+        return {"num_tokens": self.num_tokens, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
+
     def begin(self, request: Hashable, prompt: Sequence[int]) -> None:
         self._texts[request] = GrowingTokens(prompt)
 

@@ -115,6 +115,18 @@ class ReaderDrafter:
         self._ended: deque[NgramIndex] = deque(maxlen=REUSED_INDEXES)
 
     @property
+    def settings(self) -> dict[str, object]:
+        return {
+            "sources": "+".join(self.source_names),
+            "history_tokens": self.history.max_tokens if self.history is not None else 0,
+            "max_ngram": self.max_ngram,
+            "min_match": self.min_match,
+            "max_depth": self.max_depth,
+            "max_occurrences": self.max_occurrences,
+            "max_breadth": self.max_breadth,
+        }
+
+    @property
     def source_names(self) -> tuple[str, ...]:
         names = ("context",) if self.use_context else ()
         names += ("history",) if self.history is not None else ()
