@@ -290,3 +290,27 @@ def test_load_tokenizer_only(tmp_path, tokenizer):
     for bad in (tmp_path / "empty", tmp_path / "missing", tmp_path / "missing.gguf"):
         with pytest.raises(ModelLoadError):
             load_tokenizer(bad)
+
+
+def test_cli_replay_with_a_datastore(tmp_path, tokenizer, monkeypatch, capsys):
+    """--datastore reaches the replayed reader drafter; one built with another tokenizer is refused."""
+    from reader_spec.drafters.retrieval.datastore import Datastore
+
+    monkeypatch.setenv("READER_SPEC_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(model)
+    path = tmp_path / "tasks.jsonl.gz"
+    write_tasks(path, [{"instance_id": "a", "messages": CONVERSATION}])
+    (conversation,) = load_conversations(path, tokenizer, load_tokenizer(model).fingerprint, tmp_path / "c")
+    fingerprint = load_tokenizer(model).fingerprint
+    Datastore.build(tmp_path / "store", [conversation.tokens.tolist()], fingerprint=fingerprint, model="m")
+    Datastore.build(tmp_path / "other", [conversation.tokens.tolist()], fingerprint="other", model="m")
+    argv = ["bench", "--replay", str(path), "--model", str(model), "--budget", "4", "--methods", "reader"]
+    assert main([*argv, "--datastore", str(tmp_path / "store"), "--out", str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr().out
+    assert "sources=context+history+datastore" in printed
+    saved = json.loads((tmp_path / "out" / "replay.json").read_text())
+    assert saved["settings"]["datastore"] == str(tmp_path / "store")
+    assert saved["methods"]["reader"]["accepted"] > 0  # the datastore holds the whole recording
+    assert main([*argv, "--datastore", str(tmp_path / "other")]) == 2
+    assert "tokenizer" in capsys.readouterr().err

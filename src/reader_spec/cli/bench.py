@@ -72,7 +72,9 @@ def add_parser(commands) -> None:
         "--budget", type=int, default=DEFAULT_BUDGET, help="draft budget of engine methods without their own"
     )
     bench.add_argument("--out", help="directory for results.json, results.md and PNG plots")
-    bench.add_argument("--datastore", metavar="DIR", help="corpus datastore for the reader method")
+    bench.add_argument(
+        "--datastore", metavar="DIR", help="corpus datastore for the reader method (live or replayed)"
+    )
     add_sampling_options(bench)
     bench.add_argument(
         "--replay",
@@ -154,8 +156,14 @@ def _bench_replay(args: argparse.Namespace) -> int:
     conversations = load_conversations(
         args.replay, loaded.tokenizer, loaded.fingerprint, cache_root() / "replay"
     )[: args.limit]
-    drafters = {m: DRAFTERS[m].build(None, None) for m in dict.fromkeys(methods)}
-    settings = {"file": str(args.replay), "model": loaded.name, "costs": args.costs}
+    datastore = Datastore.open(args.datastore, fingerprint=loaded.fingerprint) if args.datastore else None
+    drafters = {m: DRAFTERS[m].build(datastore, None) for m in dict.fromkeys(methods)}
+    settings = {
+        "file": str(args.replay),
+        "model": loaded.name,
+        "costs": args.costs,
+        "datastore": args.datastore,
+    }
     costs = replay_costs(Path(args.costs), args.budget) if args.costs is not None else None
     priced = [m for m in drafters if DRAFTERS[m].adaptive]
     report = run_replay(conversations, drafters, args.budget, settings=settings, costs=costs, priced=priced)
