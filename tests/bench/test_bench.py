@@ -279,7 +279,7 @@ def test_accepted_tokens_are_attributed_to_sources(report):
         # Every step emits its accepted drafts plus one token of the model's, except a last step cut
         # by the length limit, which may emit only drafts.
         assert r.new_tokens - r.steps <= attributed <= r.new_tokens - r.steps + 1
-        assert set(r.accepted_by_source) <= {"context", "history"}
+        assert set(r.accepted_by_source) <= {"context", "history", "context-half", "history-half"}
     assert any(r.accepted_by_source.get("context") for r in report.prompts)
     shares = source_shares(result(method="reader") for _ in range(2))
     assert shares == {}

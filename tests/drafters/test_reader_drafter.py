@@ -24,7 +24,7 @@ def check_tree(proposal: Proposal) -> None:
     for i, parent in enumerate(proposal.parents):
         if parent >= 0:
             assert proposal.probs[i] <= proposal.probs[parent]
-    assert set(proposal.sources) <= {"context", "history", "datastore"}
+    assert set(proposal.sources) <= {"context", "history", "datastore", "context-half", "history-half"}
 
 
 def path_of(proposal: Proposal, node: int) -> tuple[int, ...]:
@@ -215,7 +215,13 @@ def test_proposal_is_the_top_of_brute_force_path_probabilities(retrieval_path) -
     for _ in range(200):
         max_ngram, max_depth, max_occurrences = rng.choice([2, 5]), rng.choice([1, 3, 6]), rng.choice([2, 64])
         text = random_stream(rng, rng.randrange(2, 80), rng.choice([3, 4, 5]))
-        drafter = started(text, max_ngram=max_ngram, max_depth=max_depth, max_occurrences=max_occurrences)
+        drafter = started(
+            text,
+            max_ngram=max_ngram,
+            max_depth=max_depth,
+            max_occurrences=max_occurrences,
+            half_matches=False,
+        )
         max_nodes = rng.choice([1, 4, 30])
         proposal = drafter.propose("r", max_nodes)
         length, ends = brute_self_match(text, max_ngram)
@@ -271,7 +277,7 @@ def test_calibration_trials_follow_the_accepted_path() -> None:
 
 def test_calibration_learns_from_rejections_and_acceptances() -> None:
     text = [10, 11, 12, 13, 14, 15, 16, 17, 10, 11, 12]
-    rejected, accepted = started(text), started(text)
+    rejected, accepted = started(text, half_matches=False), started(text, half_matches=False)
     first = rejected.propose("r", 4).probs
     for _ in range(30):
         proposal = rejected.propose("r", 4)
@@ -406,11 +412,12 @@ def test_history_drafts_what_an_earlier_request_answered(retrieval_path):
     proposal = drafter.propose("second", 8)
     assert proposal.tokens == (32, 33, 34)
     assert set(proposal.sources) == {"history"}
-    assert drafter.source_names == ("context", "history")
+    assert drafter.source_names == ("context", "history", "context-half", "history-half")
 
 
 def test_sources_can_be_switched_off():
-    assert ReaderDrafter(history_tokens=0).source_names == ("context",)
+    assert ReaderDrafter(history_tokens=0).source_names == ("context", "context-half")
+    assert ReaderDrafter(history_tokens=0, half_matches=False).source_names == ("context",)
     only_store = ReaderDrafter(context=False, history_tokens=0, datastore=FixedSource(3, [([5, 6], 1.0)]))
     only_store.begin("r", [1, 2, 3, 1, 2, 3])
     proposal = only_store.propose("r", 4)
@@ -527,3 +534,40 @@ def test_a_batch_proposes_what_its_requests_propose_one_by_one(tmp_path, retriev
             for r in requests:
                 drafter.extend(r, texts[r + 1][at : at + 10])
     assert batched.propose_batch(requests, 0) == [EMPTY_PROPOSAL] * len(requests)
+
+
+def test_suffix_match_of_every_length_equals_brute_force() -> None:
+    rng = random.Random(9)
+    for _ in range(200):
+        text = random_stream(rng, rng.randrange(2, 60), rng.choice([2, 3, 5]))
+        index = NgramIndex(6)
+        index.append(text)
+        longest = index.longest_match()
+        for length in range(1, longest.length + 1):
+            match = index.suffix_match(length)
+            ends = [
+                q
+                for q in range(len(text) - 1)
+                if q + 1 >= length and text[q + 1 - length : q + 1] == text[-length:]
+            ]
+            assert match.length == length and index.occurrences(match, 10**6) == ends[::-1]
+        with pytest.raises(ValueError):
+            index.suffix_match(longest.length + 1)
+
+
+def test_half_matches_add_what_the_shorter_match_continues_with(retrieval_path) -> None:
+    """The longest match (5 6 1 2) occurred once and went on with 9; its half (1 2) occurred twice
+    more, going on with 7: both are drafted, each labelled and calibrated as its own source."""
+    text = [1, 2, 7, 1, 2, 7, 3, 5, 6, 1, 2, 9, 4, 5, 6, 1, 2]
+    drafter = started(text)
+    proposal = drafter.propose("r", 8)
+    first = {
+        proposal.tokens[i]: proposal.sources[i] for i in range(len(proposal)) if proposal.parents[i] == -1
+    }
+    assert first == {9: "context", 7: "context-half"}
+    assert started(text, half_matches=False).propose("r", 8).tokens[0] == 9
+    before = drafter.calibrators["context-half"].confidence(2)
+    accepted = [i for i, t in enumerate(proposal.tokens) if t == 7 and proposal.parents[i] == -1]
+    drafter.observe("r", proposal, accepted)
+    assert drafter.calibrators["context-half"].confidence(2) > before
+    assert "context-half" in drafter.source_names and drafter.settings["half_matches"] is True

@@ -17,7 +17,7 @@ from typing import Protocol
 from reader_spec.drafters.retrieval.calibration import AcceptanceCalibrator, calibration_trials
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.drafters.retrieval.history import DEFAULT_MAX_TOKENS, ResponseHistory
-from reader_spec.drafters.retrieval.ngram_index import NgramIndex
+from reader_spec.drafters.retrieval.ngram_index import Match, NgramIndex
 from reader_spec.drafters.retrieval.tries import SourceMatch, draft_tree
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
 
@@ -75,9 +75,12 @@ class ReaderDrafter:
     """Drafts from the request's text (``context``), earlier responses (``history``) and a corpus
     (``datastore``); implements ``Drafter``.
 
-    Every source contributes its longest match only (at least ``min_match`` tokens, and at most
-    ``max_ngram`` for the request's own text): shorter matches are weaker evidence, and each source's
-    calibrator prices each match length. Up to ``max_occurrences`` newest occurrences per source give
+    Every source contributes its longest match (at least ``min_match`` tokens, and at most
+    ``max_ngram`` for the request's own text), and each source's calibrator prices each match length.
+    A long match may have occurred only once or twice, and its continuations then miss what the text
+    usually does next: with ``half_matches`` the request's text and the history also contribute the
+    match of half that length (``context-half``, ``history-half``, calibrated on their own), whose
+    occurrences are more numerous. Up to ``max_occurrences`` newest occurrences per source give
     continuations of up to ``max_depth`` tokens. Calibration is shared by all requests, since it
     describes the model and the data rather than one request. ``history_tokens=0`` turns the history
     off; responses join it when their request ends. ``datastore`` is an opened ``Datastore`` (open it
@@ -95,6 +98,7 @@ class ReaderDrafter:
         max_depth: int = 16,
         max_occurrences: int = 64,
         max_breadth: int | None = None,
+        half_matches: bool = True,
     ) -> None:
         if not 1 <= min_match <= max_ngram or max_depth < 1 or max_occurrences < 1:
             raise ValueError("need 1 <= min_match <= max_ngram, max_depth >= 1 and max_occurrences >= 1")
@@ -110,6 +114,7 @@ class ReaderDrafter:
         self.max_depth = max_depth
         self.max_occurrences = max_occurrences
         self.max_breadth = max_breadth
+        self.half_matches = half_matches
         self.calibrators = {name: AcceptanceCalibrator() for name in self.source_names}
         self._requests: dict[Hashable, _Request] = {}
         self._ended: deque[NgramIndex] = deque(maxlen=REUSED_INDEXES)
@@ -117,19 +122,22 @@ class ReaderDrafter:
     @property
     def settings(self) -> dict[str, object]:
         return {
-            "sources": "+".join(self.source_names),
+            "sources": "+".join(name for name in self.source_names if not name.endswith("-half")),
             "history_tokens": self.history.max_tokens if self.history is not None else 0,
             "max_ngram": self.max_ngram,
             "min_match": self.min_match,
             "max_depth": self.max_depth,
             "max_occurrences": self.max_occurrences,
             "max_breadth": self.max_breadth,
+            "half_matches": self.half_matches,
         }
 
     @property
     def source_names(self) -> tuple[str, ...]:
         names = ("context",) if self.use_context else ()
         names += ("history",) if self.history is not None else ()
+        if self.half_matches:
+            names += tuple(f"{name}-half" for name in names)
         return names + (("datastore",) if self.datastore is not None else ())
 
     def begin(self, request: Hashable, prompt: Sequence[int]) -> None:
@@ -181,14 +189,24 @@ class ReaderDrafter:
         matches = []
         if self.use_context:
             match = index.longest_match()
-            continuations = index.continuations(match, self.max_occurrences, depth)
-            matches.append(self._match("context", match.length, [(c, 1.0) for c in continuations], depth))
+            matches.append(self._context_match("context", index, match, depth))
+            if self.half_matches and match.length >= 2:
+                half = index.suffix_match(match.length // 2)
+                matches.append(self._context_match("context-half", index, half, depth))
         if self.history is not None:
-            length, continuations = self.history.lookup(index.tokens, self.max_occurrences, depth)
+            text = index.tokens
+            length, continuations = self.history.lookup(text, self.max_occurrences, depth)
             matches.append(self._match("history", length, continuations, depth))
+            if self.half_matches and length >= 2:
+                half = self.history.lookup(text[len(text) - length // 2 :], self.max_occurrences, depth)
+                matches.append(self._match("history-half", *half, depth))
         if stored is not None:
             matches.append(self._match("datastore", *stored, depth))
         return matches
+
+    def _context_match(self, name: str, index: NgramIndex, match: Match, depth: int) -> SourceMatch:
+        continuations = index.continuations(match, self.max_occurrences, depth)
+        return self._match(name, match.length, [(c, 1.0) for c in continuations], depth)
 
     def _match(self, name: str, length: int, continuations, depth: int) -> SourceMatch:
         return SourceMatch(name, length, continuations, self.calibrators[name].confidences(length, depth))

@@ -133,6 +133,13 @@ class NgramIndex:
             found = Match(n, q)
         return found
 
+    def suffix_match(self, length: int) -> Match:
+        """The text's own last ``length`` tokens (at most ``longest_match().length``) matched against
+        the text before them: a shorter match than the longest, with more occurrences."""
+        if not 1 <= length <= self._suffix_match:
+            raise ValueError(f"the text's suffix matches {self._suffix_match} tokens, not {length}")
+        return Match(length, self._prev[(len(self._tokens) - 1) * self.max_ngram + length - 1])
+
     def _extend_leaf(self, found: Match, tail: list[int]) -> Match:
         """A leaf's longer n-grams are not keyed (it is their only occurrence): compare them directly."""
         length, q = found
