@@ -44,3 +44,51 @@ def test_drafting_script_builds_a_datastore_once_and_reader_reads_it(monkeypatch
         (row,) = [line for line in out.splitlines() if line.startswith("| reader |")]
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         assert int(cells[3].replace(",", "")) >= 20000 and float(cells[-1]) > 1.0
+
+
+def brute_run(searched, recording, start: int, end: int, budget: int) -> int:
+    """The longest run of the recording from ``start`` that follows an occurrence of the token before."""
+    best = 0
+    for e in range(len(searched) - 1):
+        if searched[e] != recording[start - 1]:
+            continue
+        run = 0
+        while (
+            run < budget
+            and start + run < end
+            and e + 1 + run < len(searched)
+            and searched[e + 1 + run] == recording[start + run]
+        ):
+            run += 1
+        best = max(best, run)
+    return best
+
+
+def test_replay_ceiling_follows_the_best_occurrence(monkeypatch, capsys, tmp_path):
+    import random
+
+    import numpy as np
+
+    from tests.bench.test_replay import CONVERSATION, TURN_TEMPLATE, write_tasks
+    from tests.conftest import make_tiny_tokenizer
+
+    best_run = runpy.run_path(str(SCRIPTS / "replay_ceiling.py"))["best_run"]
+    rng = random.Random(4)
+    for _ in range(300):
+        recording = np.array([rng.randrange(3) for _ in range(rng.randrange(2, 30))])
+        start, budget = rng.randrange(1, len(recording)), rng.randrange(1, 6)
+        searched = recording[:start]
+        expected = brute_run(searched, recording, start, len(recording), budget)
+        assert best_run(searched, recording, start, len(recording), budget) == expected
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.chat_template = TURN_TEMPLATE
+    tokenizer.save_pretrained(tmp_path / "tok")
+    write_tasks(tmp_path / "tasks.jsonl.gz", [{"messages": CONVERSATION}] * 2)
+    monkeypatch.setenv("READER_SPEC_CACHE", str(tmp_path / "cache"))
+    argv = ["replay_ceiling.py", str(tmp_path / "tasks.jsonl.gz"), "--model", str(tmp_path / "tok")]
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(str(SCRIPTS / "replay_ceiling.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    text_only = float(out.split("ceiling from the text: ")[1].split(" ")[0])
+    with_history = float(out.split("ceiling from the text and history: ")[1].split(" ")[0])
+    assert 1.0 <= text_only < with_history  # the second task's answers repeat the first's
