@@ -17,3 +17,13 @@ def retrieval_path(request, monkeypatch) -> str:
     else:
         monkeypatch.setattr(native, "core", lambda: None)
     return request.param
+
+
+@pytest.fixture(params=["pure", "compiled"])
+def index_class(request):
+    """Each n-gram index implementation: the pure one, and the compiled one (which must build here)."""
+    from reader_spec.drafters.retrieval.ngram_index import CompiledNgramIndex, NgramIndex
+
+    if request.param == "compiled" and native.core() is None:
+        pytest.fail("the compiled retrieval core must build on this machine (make builds it)")
+    return NgramIndex if request.param == "pure" else CompiledNgramIndex

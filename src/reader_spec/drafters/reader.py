@@ -17,7 +17,7 @@ from typing import Protocol
 from reader_spec.drafters.retrieval.calibration import AcceptanceCalibrator, calibration_trials
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.drafters.retrieval.history import DEFAULT_MAX_TOKENS, ResponseHistory
-from reader_spec.drafters.retrieval.ngram_index import Match, NgramIndex
+from reader_spec.drafters.retrieval.ngram_index import AnyNgramIndex, Match, ngram_index
 from reader_spec.drafters.retrieval.tries import SourceMatch, draft_tree
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
 
@@ -66,7 +66,7 @@ class _Pending:
 
 @dataclass
 class _Request:
-    index: NgramIndex
+    index: AnyNgramIndex
     prompt_length: int
     pending: _Pending | None = None
 
@@ -117,7 +117,7 @@ class ReaderDrafter:
         self.half_matches = half_matches
         self.calibrators = {name: AcceptanceCalibrator() for name in self.source_names}
         self._requests: dict[Hashable, _Request] = {}
-        self._ended: deque[NgramIndex] = deque(maxlen=REUSED_INDEXES)
+        self._ended: deque[AnyNgramIndex] = deque(maxlen=REUSED_INDEXES)
 
     @property
     def settings(self) -> dict[str, object]:
@@ -142,7 +142,7 @@ class ReaderDrafter:
 
     def begin(self, request: Hashable, prompt: Sequence[int]) -> None:
         earlier = next((index for index in reversed(self._ended) if index.starts(prompt)), None)
-        index = NgramIndex(self.max_ngram) if earlier is None else earlier.copy()
+        index = ngram_index(self.max_ngram) if earlier is None else earlier.copy()
         index.append(prompt[len(index) :])
         self._requests[request] = _Request(index, len(prompt))
 
@@ -182,7 +182,10 @@ class ReaderDrafter:
         return proposals
 
     def _source_matches(
-        self, index: NgramIndex, depth: int, stored: tuple[int, Sequence[tuple[Sequence[int], float]]] | None
+        self,
+        index: AnyNgramIndex,
+        depth: int,
+        stored: tuple[int, Sequence[tuple[Sequence[int], float]]] | None,
     ) -> list[SourceMatch]:
         """Each source's match: the request's text, the history, and the datastore's (looked up for
         the batch beforehand: ``stored``)."""
@@ -204,7 +207,7 @@ class ReaderDrafter:
             matches.append(self._match("datastore", *stored, depth))
         return matches
 
-    def _context_match(self, name: str, index: NgramIndex, match: Match, depth: int) -> SourceMatch:
+    def _context_match(self, name: str, index: AnyNgramIndex, match: Match, depth: int) -> SourceMatch:
         continuations = index.continuations(match, self.max_occurrences, depth)
         return self._match(name, match.length, [(c, 1.0) for c in continuations], depth)
 

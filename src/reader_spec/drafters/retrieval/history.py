@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from reader_spec.drafters.retrieval.ngram_index import NgramIndex
+from reader_spec.drafters.retrieval.ngram_index import ngram_index
 
 SEPARATOR = 2**32 - 2
 """Ends every response in the index: never a token id, so no match or continuation crosses it."""
@@ -31,7 +31,7 @@ class ResponseHistory:
         self.max_ngram = max_ngram
         self._responses: deque[list[int]] = deque()
         self._size = 0
-        self._index = NgramIndex(max_ngram)
+        self._index = ngram_index(max_ngram)
 
     def __len__(self) -> int:
         """Tokens held."""
@@ -49,7 +49,7 @@ class ResponseHistory:
             return
         while self._size > self.max_tokens:
             self._size -= len(self._responses.popleft())
-        self._index = NgramIndex(self.max_ngram)
+        self._index = ngram_index(self.max_ngram)
         for kept in self._responses:
             self._index.append([*kept, SEPARATOR])
 

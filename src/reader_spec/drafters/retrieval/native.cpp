@@ -469,6 +469,288 @@ PyObject* lookup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return result;
 }
 
+// ---------------------------------------------------------------------------------------------
+// NgramTable: ngram_index.py's NgramIndex (the same lazily keyed n-grams and occurrence chains, so
+// the same matches and occurrences in the same order), with n-grams keyed by a hash of their tokens
+// and compared token by token on a hash hit (exact: a collision only costs a comparison).
+
+struct Slot {
+  uint64_t hash = 0;
+  int32_t end = -1;  // -1: empty
+  uint8_t n = 0;
+};
+
+inline uint64_t extend_hash(uint64_t hash, uint32_t token) {
+  return (hash ^ (static_cast<uint64_t>(token) + 1)) * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull;
+}
+
+inline size_t spread(uint64_t hash) {
+  hash ^= hash >> 31;
+  hash *= 0xBF58476D1CE4E5B9ull;
+  return static_cast<size_t>(hash ^ (hash >> 29));
+}
+
+struct Table {
+  int max_ngram = 12;
+  int suffix_match = 0;
+  std::vector<uint32_t> tokens;
+  std::vector<int32_t> prev;  // prev[p * max_ngram + n - 1]: the occurrence before p of p's n-gram
+  std::vector<uint8_t> depth;  // how many of p's n-grams are keyed (the first new one included)
+  std::vector<Slot> slots = std::vector<Slot>(1024);
+  size_t used = 0;
+
+  // Whether the n tokens ending at `end` in the text equal those ending at `probe` (read backwards).
+  bool same(int32_t end, const uint32_t* probe, int n) const {
+    for (int i = 0; i < n; ++i)
+      if (tokens[end - i] != probe[-i]) return false;
+    return true;
+  }
+
+  Slot* find(uint64_t hash, int n, const uint32_t* probe) {
+    const size_t mask = slots.size() - 1;
+    for (size_t i = spread(hash) & mask;; i = (i + 1) & mask) {
+      Slot& slot = slots[i];
+      if (slot.end < 0) return &slot;  // where it would go
+      if (slot.hash == hash && slot.n == n && same(slot.end, probe, n)) return &slot;
+    }
+  }
+
+  void put(Slot* slot, uint64_t hash, int n, int32_t end) {
+    if (slot->end < 0) {
+      *slot = {hash, end, static_cast<uint8_t>(n)};
+      if (++used * 2 > slots.size()) grow();
+    } else {
+      slot->end = end;
+    }
+  }
+
+  void grow() {
+    std::vector<Slot> old(slots.size() * 2);
+    old.swap(slots);
+    const size_t mask = slots.size() - 1;
+    for (const Slot& slot : old) {
+      if (slot.end < 0) continue;
+      size_t i = spread(slot.hash) & mask;
+      while (slots[i].end >= 0) i = (i + 1) & mask;
+      slots[i] = slot;
+    }
+  }
+
+  // NgramIndex.append for one new position p (already in `tokens`).
+  void index(int32_t p) {
+    const int count = std::min(max_ngram, p + 1);
+    prev.insert(prev.end(), max_ngram, -1);
+    const uint32_t* at = &tokens[p];
+    uint64_t hash = 0;
+    int n = 1;
+    for (; n <= count; ++n) {
+      hash = extend_hash(hash, at[1 - n]);
+      Slot* slot = find(hash, n, at);
+      const int32_t q = slot->end;
+      put(slot, hash, n, p);
+      if (q < 0) {  // first occurrence of this n-gram: p becomes a leaf here
+        depth.push_back(static_cast<uint8_t>(n));
+        suffix_match = n - 1;
+        return;
+      }
+      prev[static_cast<size_t>(p) * max_ngram + n - 1] = q;
+      if (depth[q] == n && n <= q && n < max_ngram) {  // q was a leaf: give it its next key
+        const uint64_t longer = extend_hash(hash, tokens[q - n]);
+        put(find(longer, n + 1, &tokens[q]), longer, n + 1, q);
+        depth[q] = static_cast<uint8_t>(n + 1);
+      }
+    }
+    depth.push_back(static_cast<uint8_t>(count));
+    suffix_match = count;
+  }
+
+  // NgramIndex.longest_match(query), query given as its last tokens.
+  std::pair<int, int32_t> longest(const std::vector<uint32_t>& tail) {
+    const int size = static_cast<int>(tail.size());
+    const uint32_t* at = tail.data() + size - 1;
+    int length = 0;
+    int32_t end = -1;
+    uint64_t hash = 0;
+    for (int n = 1; n <= size; ++n) {
+      hash = extend_hash(hash, at[1 - n]);
+      const int32_t q = find(hash, n, at)->end;
+      if (q < 0) break;
+      length = n;
+      end = q;
+    }
+    if (length > 0 && length < size && depth[end] == length) {  // past a leaf's keys: compare directly
+      while (length < size && length <= end && tokens[end - length] == at[-length]) ++length;
+    }
+    return {length, end};
+  }
+
+  std::vector<int32_t> occurrences(int length, int32_t end, Py_ssize_t limit) const {
+    std::vector<int32_t> ends;
+    if (length == 0 || limit <= 0) return ends;
+    if (depth[end] < length) return {end};
+    while (end >= 0 && static_cast<Py_ssize_t>(ends.size()) < limit) {
+      ends.push_back(end);
+      end = prev[static_cast<size_t>(end) * max_ngram + length - 1];
+    }
+    return ends;
+  }
+};
+
+struct NgramTable {
+  PyObject_HEAD Table* table;
+};
+
+extern PyTypeObject NgramTableType;
+
+PyObject* table_new(PyTypeObject* type, PyObject* args, PyObject*) {
+  int max_ngram;
+  if (!PyArg_ParseTuple(args, "i", &max_ngram)) return nullptr;
+  if (max_ngram < 1 || max_ngram > 255) {
+    PyErr_SetString(PyExc_ValueError, "max_ngram must lie in [1, 255]");
+    return nullptr;
+  }
+  auto* self = reinterpret_cast<NgramTable*>(type->tp_alloc(type, 0));
+  if (!self) return nullptr;
+  self->table = new Table();
+  self->table->max_ngram = max_ngram;
+  return reinterpret_cast<PyObject*>(self);
+}
+
+void table_dealloc(PyObject* self) {
+  delete reinterpret_cast<NgramTable*>(self)->table;
+  Py_TYPE(self)->tp_free(self);
+}
+
+bool as_tokens(PyObject* sequence, std::vector<uint32_t>* out) {
+  PyObject* items = PySequence_Fast(sequence, "tokens must be a sequence of ints");
+  if (!items) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+  out->reserve(out->size() + static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    unsigned long long t = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(items, i));
+    if (PyErr_Occurred() || t >= 0xFFFFFFFFull) {
+      if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_OverflowError)) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "token ids must lie in [0, 4294967295)");
+      }
+      Py_DECREF(items);
+      return false;
+    }
+    out->push_back(static_cast<uint32_t>(t));
+  }
+  Py_DECREF(items);
+  return true;
+}
+
+PyObject* table_append(PyObject* self, PyObject* tokens) {
+  Table& table = *reinterpret_cast<NgramTable*>(self)->table;
+  std::vector<uint32_t> fresh;
+  if (!as_tokens(tokens, &fresh)) return nullptr;
+  const size_t first = table.tokens.size();
+  table.tokens.insert(table.tokens.end(), fresh.begin(), fresh.end());
+  for (size_t p = first; p < table.tokens.size(); ++p) table.index(static_cast<int32_t>(p));
+  Py_RETURN_NONE;
+}
+
+// own_match(length): the text's own last `length` tokens matched before them (length 0: the longest).
+PyObject* table_own_match(PyObject* self, PyObject* arg) {
+  const Table& table = *reinterpret_cast<NgramTable*>(self)->table;
+  long length = PyLong_AsLong(arg);
+  if (length == -1 && PyErr_Occurred()) return nullptr;
+  if (length == 0) length = table.suffix_match;
+  if (length < 0 || length > table.suffix_match) {
+    PyErr_Format(PyExc_ValueError, "the text's suffix matches %d tokens, not %ld", table.suffix_match, length);
+    return nullptr;
+  }
+  if (length == 0) return Py_BuildValue("(ii)", 0, -1);
+  const size_t last = table.tokens.size() - 1;
+  return Py_BuildValue("(li)", length, table.prev[last * table.max_ngram + length - 1]);
+}
+
+PyObject* table_longest_match(PyObject* self, PyObject* query) {
+  Table& table = *reinterpret_cast<NgramTable*>(self)->table;
+  PyObject* items = PySequence_Fast(query, "query must be a sequence of ints");
+  if (!items) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+  PyObject* tail = PySequence_GetSlice(items, std::max<Py_ssize_t>(0, n - table.max_ngram), n);
+  Py_DECREF(items);
+  if (!tail) return nullptr;
+  std::vector<uint32_t> tokens;
+  const bool ok = as_tokens(tail, &tokens);
+  Py_DECREF(tail);
+  if (!ok) return nullptr;
+  auto [length, end] = table.longest(tokens);
+  return Py_BuildValue("(ii)", length, end);
+}
+
+// continuations(length, end, max_occurrences, max_depth): what followed the newest occurrences.
+PyObject* table_continuations(PyObject* self, PyObject* args) {
+  const Table& table = *reinterpret_cast<NgramTable*>(self)->table;
+  int length, end;
+  Py_ssize_t limit, max_depth;
+  if (!PyArg_ParseTuple(args, "iinn", &length, &end, &limit, &max_depth)) return nullptr;
+  const std::vector<int32_t> ends = table.occurrences(length, end, limit);
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(ends.size()));
+  const Py_ssize_t size = static_cast<Py_ssize_t>(table.tokens.size());
+  for (size_t i = 0; out && i < ends.size(); ++i) {
+    const Py_ssize_t from = ends[i] + 1, to = std::min(size, from + std::max<Py_ssize_t>(max_depth, 0));
+    PyObject* row = PyList_New(std::max<Py_ssize_t>(to - from, 0));
+    if (!row) {
+      Py_CLEAR(out);
+      break;
+    }
+    for (Py_ssize_t j = from; j < to; ++j) PyList_SET_ITEM(row, j - from, PyLong_FromUnsignedLong(table.tokens[j]));
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), row);
+  }
+  return out;
+}
+
+PyObject* table_occurrences(PyObject* self, PyObject* args) {
+  const Table& table = *reinterpret_cast<NgramTable*>(self)->table;
+  int length, end;
+  Py_ssize_t limit;
+  if (!PyArg_ParseTuple(args, "iin", &length, &end, &limit)) return nullptr;
+  const std::vector<int32_t> ends = table.occurrences(length, end, limit);
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(ends.size()));
+  for (size_t i = 0; out && i < ends.size(); ++i) PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), PyLong_FromLong(ends[i]));
+  return out;
+}
+
+PyObject* table_copy(PyObject* self, PyObject*) {
+  auto* other = reinterpret_cast<NgramTable*>(NgramTableType.tp_alloc(&NgramTableType, 0));
+  if (!other) return nullptr;
+  other->table = new Table(*reinterpret_cast<NgramTable*>(self)->table);
+  return reinterpret_cast<PyObject*>(other);
+}
+
+Py_ssize_t table_length(PyObject* self) {
+  return static_cast<Py_ssize_t>(reinterpret_cast<NgramTable*>(self)->table->tokens.size());
+}
+
+PyMethodDef table_methods[] = {
+    {"append", table_append, METH_O, "Index new tokens."},
+    {"own_match", table_own_match, METH_O, "(length, end) of the text's own suffix of a length (0: longest)."},
+    {"longest_match", table_longest_match, METH_O, "(length, end) of a query's longest suffix found."},
+    {"occurrences", table_occurrences, METH_VARARGS, "End positions of a match's newest occurrences."},
+    {"continuations", table_continuations, METH_VARARGS, "What followed a match's newest occurrences."},
+    {"copy", table_copy, METH_NOARGS, "An independent copy."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PySequenceMethods table_sequence = {table_length};
+
+PyTypeObject NgramTableType = [] {
+  PyTypeObject type{PyVarObject_HEAD_INIT(nullptr, 0)};
+  type.tp_name = "reader_spec_retrieval.NgramTable";
+  type.tp_basicsize = sizeof(NgramTable);
+  type.tp_flags = Py_TPFLAGS_DEFAULT;
+  type.tp_doc = "NgramIndex's tables in C++: NgramTable(max_ngram)";
+  type.tp_new = table_new;
+  type.tp_dealloc = table_dealloc;
+  type.tp_methods = table_methods;
+  type.tp_as_sequence = &table_sequence;
+  return type;
+}();
+
 PyMethodDef methods[] = {
     {"draft_tree", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(draft_tree)), METH_FASTCALL,
      "Merge sources' continuations into tries and pick the best nodes: (tokens, parents, probs, labels, "
@@ -481,4 +763,15 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "reader_spec_retrieval", nullptr, -
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit_reader_spec_retrieval() { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_reader_spec_retrieval() {
+  if (PyType_Ready(&NgramTableType) < 0) return nullptr;
+  PyObject* m = PyModule_Create(&module);
+  if (!m) return nullptr;
+  Py_INCREF(&NgramTableType);
+  if (PyModule_AddObject(m, "NgramTable", reinterpret_cast<PyObject*>(&NgramTableType)) < 0) {
+    Py_DECREF(&NgramTableType);
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

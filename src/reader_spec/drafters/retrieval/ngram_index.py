@@ -3,12 +3,16 @@
 ``NgramIndex`` finds the longest suffix of a text that occurred before and the occurrences that
 followed it, and grows in O(max_ngram) per appended token, so it is kept up to date as tokens are
 accepted instead of being rebuilt every step (the request's own text, and earlier responses).
+``CompiledNgramIndex`` keeps the same tables in the compiled retrieval core (the same matches and
+occurrences, in the same order); ``ngram_index`` gives the compiled one where the core is built.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
+
+from reader_spec.drafters.retrieval import native
 
 # An n-gram's key is an exact integer: its tokens read backwards, (token + 1) per 32-bit digit. The +1
 # keeps every digit nonzero, so n-grams of different lengths never share a key and one dict holds all.
@@ -168,3 +172,61 @@ class NgramIndex:
         """What followed each of the newest occurrences: up to ``max_depth`` tokens, cut at the text end."""
         toks = self._tokens
         return [toks[q + 1 : q + 1 + max_depth] for q in self.occurrences(match, max_occurrences)]
+
+
+class CompiledNgramIndex:
+    """``NgramIndex`` with its tables in the compiled retrieval core (``native.NgramTable``): the
+    same answers, at C++ speed; the text is also kept as a Python list for callers that slice it."""
+
+    def __init__(self, max_ngram: int = 12, table=None, tokens: list[int] | None = None) -> None:
+        if max_ngram < 1:
+            raise ValueError("max_ngram must be at least 1")
+        self.max_ngram = max_ngram
+        self._table = native.core().NgramTable(max_ngram) if table is None else table
+        self._tokens: list[int] = [] if tokens is None else tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        """The indexed text (a live view: read it, never change it)."""
+        return self._tokens
+
+    def copy(self) -> CompiledNgramIndex:
+        return CompiledNgramIndex(self.max_ngram, self._table.copy(), list(self._tokens))
+
+    def starts(self, text: Sequence[int]) -> bool:
+        n = len(self._tokens)
+        return (
+            n <= len(text) and (n == 0 or text[n - 1] == self._tokens[-1]) and list(text[:n]) == self._tokens
+        )
+
+    def append(self, tokens: Iterable[int]) -> None:
+        new = _checked(tokens)
+        self._table.append(new)
+        self._tokens.extend(new)
+
+    def longest_match(self, query: Sequence[int] | None = None) -> Match:
+        if query is None:
+            return Match(*self._table.own_match(0))
+        return Match(*self._table.longest_match(_checked(query[-self.max_ngram :])))
+
+    def suffix_match(self, length: int) -> Match:
+        if length < 1:
+            raise ValueError(f"the text's suffix matches {self.longest_match().length} tokens, not {length}")
+        return Match(*self._table.own_match(length))
+
+    def occurrences(self, match: Match, limit: int) -> list[int]:
+        return self._table.occurrences(match.length, match.end, limit)
+
+    def continuations(self, match: Match, max_occurrences: int, max_depth: int) -> list[list[int]]:
+        return self._table.continuations(match.length, match.end, max_occurrences, max_depth)
+
+
+AnyNgramIndex = NgramIndex | CompiledNgramIndex
+
+
+def ngram_index(max_ngram: int = 12) -> AnyNgramIndex:
+    """An empty index: the compiled one where the retrieval core is built, else the pure one."""
+    return NgramIndex(max_ngram) if native.core() is None else CompiledNgramIndex(max_ngram)

@@ -1,0 +1,46 @@
+"""The compiled n-gram index answers as the pure one does, through growth, copies and queries."""
+
+from __future__ import annotations
+
+import random
+
+from reader_spec.drafters.retrieval import native
+from reader_spec.drafters.retrieval.ngram_index import CompiledNgramIndex, NgramIndex
+
+
+def test_compiled_and_pure_indexes_agree():
+    assert native.core() is not None, "the compiled retrieval core must build here (make builds it)"
+    rng = random.Random(1)
+    checked = 0
+    for _ in range(600):
+        max_ngram, vocab = rng.choice([1, 2, 3, 5, 12]), rng.choice([2, 3, 5, 50, 2**32 - 2])
+        pure, compiled = NgramIndex(max_ngram), CompiledNgramIndex(max_ngram)
+        for _ in range(rng.randint(1, 6)):
+            chunk = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+            pure.append(chunk)
+            compiled.append(chunk)
+            if rng.random() < 0.3:  # copies answer alike and stay independent of their source
+                pure, compiled = pure.copy(), compiled.copy()
+            own = pure.longest_match()
+            assert compiled.longest_match() == own and list(compiled.tokens) == list(pure.tokens)
+            for length in range(1, own.length + 1):
+                match = pure.suffix_match(length)
+                assert compiled.suffix_match(length) == match
+                assert compiled.occurrences(match, 1000) == pure.occurrences(match, 1000)
+            limit, depth = rng.randint(1, 70), rng.randint(1, 9)
+            assert compiled.continuations(own, limit, depth) == pure.continuations(own, limit, depth)
+            query = [rng.randrange(vocab) for _ in range(rng.randint(0, 15))]
+            match = pure.longest_match(query)
+            assert compiled.longest_match(query) == match
+            assert compiled.occurrences(match, 1000) == pure.occurrences(match, 1000)
+            checked += 1
+    assert checked > 1500
+
+
+def test_a_copy_is_independent():
+    original = CompiledNgramIndex(4)
+    original.append([1, 2, 3, 1, 2])
+    copy = original.copy()
+    copy.append([3, 9])
+    assert list(original.tokens) == [1, 2, 3, 1, 2] and original.longest_match().length == 2
+    assert list(copy.tokens) == [1, 2, 3, 1, 2, 3, 9] and copy.longest_match().length == 0
