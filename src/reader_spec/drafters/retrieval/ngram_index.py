@@ -38,7 +38,28 @@ class Match(NamedTuple):
 NOT_FOUND = Match(0, -1)
 
 
-class NgramIndex:
+class _Text:
+    """The indexed text as a Python list, which callers read and slice."""
+
+    _tokens: list[int]
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        """The indexed text (a live view: read it, never change it)."""
+        return self._tokens
+
+    def starts(self, text: Sequence[int]) -> bool:
+        """Whether ``text`` begins with the indexed text."""
+        n = len(self._tokens)
+        return (
+            n <= len(text) and (n == 0 or text[n - 1] == self._tokens[-1]) and list(text[:n]) == self._tokens
+        )
+
+
+class NgramIndex(_Text):
     """Every n-gram (n <= ``max_ngram``) of a growing text, with its occurrences, newest first.
 
     ``_last[key]`` is the newest end position of an n-gram and ``_prev[p * max_ngram + n - 1]`` the
@@ -60,14 +81,6 @@ class NgramIndex:
         self._depth: list[int] = []
         self._suffix_match = 0
 
-    def __len__(self) -> int:
-        return len(self._tokens)
-
-    @property
-    def tokens(self) -> Sequence[int]:
-        """The indexed text (a live view: read it, never change it)."""
-        return self._tokens
-
     def copy(self) -> NgramIndex:
         """An independent index of the same text: copying its tables runs at C speed, far below the
         cost of indexing the text again (a conversation's next turn re-sends all of it)."""
@@ -78,13 +91,6 @@ class NgramIndex:
         other._depth = list(self._depth)
         other._suffix_match = self._suffix_match
         return other
-
-    def starts(self, text: Sequence[int]) -> bool:
-        """Whether ``text`` begins with the indexed text."""
-        n = len(self._tokens)
-        return (
-            n <= len(text) and (n == 0 or text[n - 1] == self._tokens[-1]) and list(text[:n]) == self._tokens
-        )
 
     def append(self, tokens: Iterable[int]) -> None:
         """Index new tokens one position at a time (the same work whether they come in bulk or not)."""
@@ -174,7 +180,7 @@ class NgramIndex:
         return [toks[q + 1 : q + 1 + max_depth] for q in self.occurrences(match, max_occurrences)]
 
 
-class CompiledNgramIndex:
+class CompiledNgramIndex(_Text):
     """``NgramIndex`` with its tables in the compiled retrieval core (``native.NgramTable``): the
     same answers, at C++ speed; the text is also kept as a Python list for callers that slice it."""
 
@@ -185,22 +191,8 @@ class CompiledNgramIndex:
         self._table = native.core().NgramTable(max_ngram) if table is None else table
         self._tokens: list[int] = [] if tokens is None else tokens
 
-    def __len__(self) -> int:
-        return len(self._tokens)
-
-    @property
-    def tokens(self) -> Sequence[int]:
-        """The indexed text (a live view: read it, never change it)."""
-        return self._tokens
-
     def copy(self) -> CompiledNgramIndex:
         return CompiledNgramIndex(self.max_ngram, self._table.copy(), list(self._tokens))
-
-    def starts(self, text: Sequence[int]) -> bool:
-        n = len(self._tokens)
-        return (
-            n <= len(text) and (n == 0 or text[n - 1] == self._tokens[-1]) and list(text[:n]) == self._tokens
-        )
 
     def append(self, tokens: Iterable[int]) -> None:
         new = _checked(tokens)
