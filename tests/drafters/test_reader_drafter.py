@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from reader_spec.drafters import Drafter, ReaderDrafter
-from reader_spec.drafters.retrieval.calibration import AcceptanceCalibrator, calibration_trials
+from reader_spec.drafters.calibration import ProbabilityCalibrator
+from reader_spec.drafters.retrieval.calibration import match_contexts
 from reader_spec.drafters.retrieval.ngram_index import Match
 from reader_spec.drafters.retrieval.tries import SourceTrie, build_continuation_trie, select_best_first
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
@@ -55,8 +56,15 @@ def brute_query_match(text: list[int], query: list[int], max_ngram: int) -> tupl
     return 0, []
 
 
-def brute_path_probs(continuations: list[list[int]], confidence: list[float]) -> dict[tuple[int, ...], float]:
-    """Every trie path's probability, computed from prefix counts without a trie."""
+def estimate(drafter: ReaderDrafter, source: str, length: int, raw: float, agreeing: int = 1) -> float:
+    """The calibrated estimate of an edge whose source matches ``length`` tokens of the text there,
+    with raw estimate ``raw``, proposed by ``agreeing`` sources."""
+    return drafter.calibrators[source](raw, match_contexts(length, 1)[0] + agreeing - 1)
+
+
+def brute_path_probs(continuations: list[list[int]], edge_of) -> dict[tuple[int, ...], float]:
+    """Every trie path's probability, computed from prefix counts without a trie;
+    ``edge_of(depth, k, n)`` is an edge's estimate where ``k`` of ``n`` onward continuations take it."""
     through: dict[tuple[int, ...], int] = {}
     onward: dict[tuple[int, ...], int] = {}
     for c in continuations:
@@ -67,7 +75,7 @@ def brute_path_probs(continuations: list[list[int]], confidence: list[float]) ->
     probs: dict[tuple[int, ...], float] = {}
     for path in sorted(through, key=len):
         if path:
-            edge = min(1.0, confidence[len(path) - 1] * through[path] / onward[path[:-1]])
+            edge = edge_of(len(path), through[path], onward[path[:-1]])
             probs[path] = probs.get(path[:-1], 1.0) * edge
     return probs
 
@@ -104,15 +112,17 @@ def test_continuation_is_cut_at_the_end_of_the_text() -> None:
 
 
 def test_counts_rank_branches_and_set_their_ratio(retrieval_path) -> None:
-    # After "1 2" came "3" three times and "4" once.
+    # After "1 2" came "3" three times and "4" once: raw estimates 3/5 and 1/5 (one count kept for
+    # a continuation not seen yet).
     text = [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 4, 7, 1, 2, 3, 6, 1, 2]
-    drafter = started(text)
+    drafter = started(text, half_matches=False)
     proposal = drafter.propose("r", 10)
     check_tree(proposal)
     roots = [i for i, p in enumerate(proposal.parents) if p == -1]
     assert [proposal.tokens[i] for i in roots] == [3, 4]
-    assert proposal.probs[roots[0]] / proposal.probs[roots[1]] == pytest.approx(3.0)
-    assert proposal.probs[roots[0]] == pytest.approx(0.75 * drafter.calibrators["context"].confidence(2))
+    assert proposal.probs[roots[0]] == pytest.approx(estimate(drafter, "context", 2, 3 / 5))
+    assert proposal.probs[roots[1]] == pytest.approx(estimate(drafter, "context", 2, 1 / 5))
+    assert proposal.probs[roots[0]] > 2 * proposal.probs[roots[1]]
 
 
 def test_no_repetition_gives_an_empty_proposal() -> None:
@@ -229,8 +239,12 @@ def test_proposal_is_the_top_of_brute_force_path_probabilities(retrieval_path) -
             assert proposal is EMPTY_PROPOSAL
             continue
         continuations = [text[q + 1 : q + 1 + max_depth] for q in ends[:max_occurrences]]
-        confidence = [drafter.calibrators["context"].confidence(length + d) for d in range(max_depth)]
-        expected = brute_path_probs(continuations, confidence)
+        expected = brute_path_probs(
+            continuations,
+            lambda d, k, n, drafter=drafter, length=length: estimate(
+                drafter, "context", length + d - 1, k / (n + 1)
+            ),
+        )
         check_tree(proposal)
         assert len(proposal) == min(max_nodes, len(expected))
         for i in range(len(proposal)):
@@ -241,38 +255,27 @@ def test_proposal_is_the_top_of_brute_force_path_probabilities(retrieval_path) -
 
 def test_best_first_selection_of_weighted_continuations() -> None:
     trie = build_continuation_trie([([1, 2], 3.0), ([1, 3], 1.0), ([4], 4.0), ([5, 6], 0.0)])
-    proposal = select_best_first([SourceTrie("corpus", 2, trie, [1.0, 0.5])], max_nodes=10)
-    # Root children: 1 and 4 share 4/8 each ("5 6" carries no weight); below 1: 2 (3/4) and 3 (1/4), halved.
+    calibrator = ProbabilityCalibrator()
+    proposal, estimates = select_best_first([SourceTrie("corpus", trie, [0, 0], calibrator.table())], 10)
+    # Root children: 1 and 4 each 4 of 8 ("5 6" carries no weight), raw 4/9; below 1: 2 (3 of 4,
+    # raw 3/5) and 3 (raw 1/5).
     assert proposal.tokens == (1, 4, 2, 3)
     assert proposal.parents == (-1, -1, 0, 0)
-    assert proposal.probs == pytest.approx((0.5, 0.5, 0.1875, 0.0625))
+    first = calibrator(4 / 9)
+    below = first * calibrator(3 / 5), first * calibrator(1 / 5)
+    assert proposal.probs == pytest.approx((first, first, *below))
     assert proposal.sources == ("corpus",) * 4
+    assert estimates == ((0, 4 / 9), (0, 4 / 9), (0, 3 / 5), (0, 1 / 5))
 
-    def only(trie, confidence):
-        return [SourceTrie("corpus", 2, trie, confidence)]
+    def only(trie, table):
+        return [SourceTrie("corpus", trie, [0, 0], table)]
 
-    assert select_best_first(only(trie, [1.0, 0.5]), max_nodes=0) is EMPTY_PROPOSAL
-    assert select_best_first([], max_nodes=4) is EMPTY_PROPOSAL
-    assert select_best_first(only(build_continuation_trie([]), [1.0]), max_nodes=4) is EMPTY_PROPOSAL
-    assert select_best_first(only(build_continuation_trie([([1], 0.0)]), [1.0]), 4) is EMPTY_PROPOSAL
-    assert select_best_first(only(trie, [0.0, 0.5]), max_nodes=4) is EMPTY_PROPOSAL  # zero probability
-
-
-def test_calibration_trials_follow_the_accepted_path() -> None:
-    chain = Proposal((1, 2, 3), (-1, 0, 1), (0.5, 0.4, 0.3))
-    assert calibration_trials(chain, [1.0, 1.0, 0.5], [0]) == [(1, True, 1.0), (2, False, 1.0)]
-    assert calibration_trials(chain, [1.0, 1.0, 0.5], [0, 1, 2]) == [
-        (1, True, 1.0),
-        (2, True, 1.0),
-        (3, True, 0.5),
-    ]
-    tree = Proposal((1, 4, 2), (-1, -1, 0), (0.5, 0.2, 0.3))
-    # Both root children were tested; the one accepted decides which children were tested next.
-    assert calibration_trials(tree, [0.75, 0.25, 1.0], [0, 2]) == [(1, True, 1.0), (2, True, 1.0)]
-    assert calibration_trials(tree, [0.75, 0.25, 1.0], [1]) == [(1, True, 1.0)]
-    assert calibration_trials(tree, [0.75, 0.25, 1.0], []) == [(1, False, 1.0)]
-    # A source that proposed only node 1 (token 4) scores a miss when node 0 was accepted.
-    assert calibration_trials(tree, [0.0, 0.5, 0.0], [0, 2]) == [(1, False, 0.5)]
+    table = calibrator.table()
+    assert select_best_first(only(trie, table), max_nodes=0) == (EMPTY_PROPOSAL, ())
+    assert select_best_first([], max_nodes=4) == (EMPTY_PROPOSAL, ())
+    assert select_best_first(only(build_continuation_trie([]), table), 4) == (EMPTY_PROPOSAL, ())
+    assert select_best_first(only(build_continuation_trie([([1], 0.0)]), table), 4) == (EMPTY_PROPOSAL, ())
+    assert select_best_first(only(trie, [0.0] * len(table)), 4) == (EMPTY_PROPOSAL, ())  # zero probability
 
 
 def test_calibration_learns_from_rejections_and_acceptances() -> None:
@@ -291,23 +294,17 @@ def test_calibration_learns_from_rejections_and_acceptances() -> None:
 
 def test_calibration_uses_truncated_feedback_and_ignores_foreign_proposals() -> None:
     text = [10, 11, 12, 13, 14, 15, 16, 17, 10, 11, 12]
-    drafter = started(text)
-    before = drafter.calibrators["context"].confidence(3)
+    drafter = started(text, half_matches=False)
+    before = estimate(drafter, "context", 3, 0.5)
     drafter.observe("r", Proposal((13,), (-1,), (0.9,)), [0])  # not this drafter's proposal
     proposal = drafter.propose("r", 4)
     drafter.observe("r", proposal.truncated(2), [0, 1])  # the engine verified only two nodes
     drafter.observe("r", proposal, [0, 1, 2, 3])  # feedback already consumed: ignored
-    # Two trials: depth 1 at match length 3 and depth 2 at match length 4, both hits.
-    assert drafter.calibrators["context"].confidence(3) == pytest.approx((before * 4 + 1) / 5)
-    assert drafter.calibrators["context"].confidence(4) == pytest.approx((0.5 * 4 + 1) / 5)
-
-
-def test_calibrator_estimator() -> None:
-    calibrator = AcceptanceCalibrator(bounds=(1, 3), prior_means=(0.5, 0.8), prior_strength=2.0)
-    assert [calibrator.bucket(n) for n in (0, 1, 2, 3, 50)] == [0, 0, 0, 1, 1]
-    calibrator.update(2, 1.0, 0.5)
-    assert calibrator.confidence(1) == pytest.approx(2.0 / 2.5)
-    assert calibrator.confidence(7) == pytest.approx(0.8)
+    # Two trials, both hits, raw 1/2 (one occurrence): depth 1 at match length 3, depth 2 at 4.
+    assert before == pytest.approx(0.55)
+    assert estimate(drafter, "context", 3, 0.5) == pytest.approx((0.55 * 4 + 1) / 5)
+    assert estimate(drafter, "context", 4, 0.5) == pytest.approx((0.55 * 4 + 1) / 5)
+    assert estimate(drafter, "context", 8, 0.5) == pytest.approx(0.55)
 
 
 def test_requests_are_independent_and_end_forgets() -> None:
@@ -338,7 +335,7 @@ def test_token_ids_are_validated_and_numpy_ints_accepted(index_class) -> None:
 def test_probabilities_stay_valid_for_long_deep_matches(retrieval_path) -> None:
     text = [1, 2, 3, 4] * 40
     drafter = started(text)
-    for _ in range(50):  # drive the confidence for long matches above 1/share
+    for _ in range(50):  # drive the estimates of long matches towards 1
         proposal = drafter.propose("r", 64)
         drafter.observe("r", proposal, list(range(len(proposal))))
     proposal = drafter.propose("r", 64)
@@ -361,46 +358,48 @@ class FixedSource:
 
 def test_sources_merge_into_one_prefix_tree_with_the_most_confident_estimate(retrieval_path):
     datastore = FixedSource(6, [([4, 5, 6], 3.0), ([4, 9], 1.0)])
-    drafter = started([1, 2, 3, 4, 5, 7, 1, 2, 3], datastore=datastore)
+    drafter = started([1, 2, 3, 4, 5, 7, 1, 2, 3], datastore=datastore, half_matches=False)
     proposal = drafter.propose("r", 10)
     check_tree(proposal)
-    context = drafter.calibrators["context"].confidence
-    store = drafter.calibrators["datastore"].confidence
     by_path = {path_of(proposal, i): (proposal.probs[i], proposal.sources[i]) for i in range(len(proposal))}
-    # Both sources propose 4 first: one node, with the larger of the two calibrated estimates.
-    assert by_path[(4,)] == (pytest.approx(max(context(3), store(6))), "datastore")
-    # Below 4: context says 5 (1/1), the datastore 5 (3/4) or 9 (1/4).
+    # Both sources propose 4 first (context 1 of 1 occurrence, datastore 4 of 4): one node, with the
+    # larger of the two calibrated estimates, each in its context of two agreeing sources.
+    both = estimate(drafter, "context", 3, 1 / 2, 2), estimate(drafter, "datastore", 6, 4 / 5, 2)
+    assert both[1] > both[0]
+    assert by_path[(4,)] == (pytest.approx(both[1]), "datastore")
+    # Below 4: context says 5 (1 of 1), the datastore 5 (3 of 4) or 9 (1 of 4).
     p4 = by_path[(4,)][0]
-    assert by_path[(4, 5)][0] == pytest.approx(p4 * max(context(4), min(1.0, store(7) * 0.75)))
-    assert by_path[(4, 9)] == (pytest.approx(p4 * store(7) * 0.25), "datastore")
+    five = max(estimate(drafter, "context", 4, 1 / 2, 2), estimate(drafter, "datastore", 7, 3 / 5, 2))
+    assert by_path[(4, 5)][0] == pytest.approx(p4 * five)
+    assert by_path[(4, 9)] == (pytest.approx(p4 * estimate(drafter, "datastore", 7, 1 / 5)), "datastore")
     assert datastore.queries[-1] == [1, 2, 3, 4, 5, 7, 1, 2, 3]
 
 
 def test_each_source_learns_from_its_own_nodes(retrieval_path):
     datastore = FixedSource(2, [([50], 1.0)])
-    drafter = started([1, 2, 3, 4, 1, 2, 3], datastore=datastore)
-    context_before = drafter.calibrators["context"].confidence(3)
-    store_before = drafter.calibrators["datastore"].confidence(2)
+    drafter = started([1, 2, 3, 4, 1, 2, 3], datastore=datastore, half_matches=False)
+    context_before = estimate(drafter, "context", 3, 1 / 2)
+    store_before = estimate(drafter, "datastore", 2, 1 / 2)
     for _ in range(20):
         proposal = drafter.propose("r", 2)  # root children: 4 (context) and 50 (datastore)
         accepted = [proposal.tokens.index(4)]
         drafter.observe("r", proposal, accepted)
-    assert drafter.calibrators["context"].confidence(3) > context_before
-    assert drafter.calibrators["datastore"].confidence(2) < store_before
+    assert estimate(drafter, "context", 3, 1 / 2) > context_before
+    assert estimate(drafter, "datastore", 2, 1 / 2) < store_before
     proposal = drafter.propose("r", 2)
     assert proposal.tokens[0] == 4 and proposal.sources[0] == "context"
 
 
 def test_a_source_is_calibrated_only_on_the_nodes_it_labelled(retrieval_path):
-    datastore = FixedSource(1, [([4], 1.0)])  # agrees with the context on 4, with a weaker estimate
-    drafter = started([1, 2, 3, 4, 1, 2, 3], datastore=datastore)
-    store_before = drafter.calibrators["datastore"].confidence(1)
-    context_before = drafter.calibrators["context"].confidence(3)
+    datastore = FixedSource(1, [([4], 1.0)])  # agrees with the context on 4, with an equal estimate
+    drafter = started([1, 2, 3, 4, 1, 2, 3], datastore=datastore, half_matches=False)
+    store_before = drafter.calibrators["datastore"].table()
+    context_before = estimate(drafter, "context", 3, 1 / 2, 2)
     proposal = drafter.propose("r", 1)
-    assert proposal.tokens == (4,) and proposal.sources == ("context",)
+    assert proposal.tokens == (4,) and proposal.sources == ("context",)  # ties: the first source
     drafter.observe("r", proposal, [0])
-    assert drafter.calibrators["context"].confidence(3) > context_before
-    assert drafter.calibrators["datastore"].confidence(1) == store_before
+    assert estimate(drafter, "context", 3, 1 / 2, 2) > context_before
+    assert drafter.calibrators["datastore"].table() == store_before
 
 
 def test_history_drafts_what_an_earlier_request_answered(retrieval_path):
@@ -497,7 +496,7 @@ def test_compiled_and_pure_drafting_agree_through_a_whole_run(tmp_path, monkeypa
                 drafter.extend(number, step)
                 at += len(step)
             drafter.end(number)
-        state = [(c._alpha, c._trials) for c in drafter.calibrators.values()]
+        state = [c.table() for c in drafter.calibrators.values()]
         return proposals, state
 
     rng_budget = random.Random(1)
@@ -568,8 +567,8 @@ def test_half_matches_add_what_the_shorter_match_continues_with(retrieval_path) 
     }
     assert first == {9: "context", 7: "context-half"}
     assert started(text, half_matches=False).propose("r", 8).tokens[0] == 9
-    before = drafter.calibrators["context-half"].confidence(2)
+    before = estimate(drafter, "context-half", 2, 2 / 4)  # "1 2" went on with 7 twice, 9 once
     accepted = [i for i, t in enumerate(proposal.tokens) if t == 7 and proposal.parents[i] == -1]
     drafter.observe("r", proposal, accepted)
-    assert drafter.calibrators["context-half"].confidence(2) > before
+    assert estimate(drafter, "context-half", 2, 2 / 4) > before
     assert "context-half" in drafter.source_names and drafter.settings["half_matches"] is True

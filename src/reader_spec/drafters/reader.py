@@ -1,10 +1,11 @@
 """READER's drafter: one draft tree from the request's own text, earlier responses and a corpus.
 
-Each source finds the longest suffix of the request's text it holds and weighs what followed its
-occurrences; the sources' continuations are merged into one tree whose node probabilities come from
-per-source acceptance rates learned online, with match length as evidence; the best nodes by path
-probability fill the budget the engine gives. Any source can be switched off; with only the request's
-own text it is the short-term half of READER (like prompt lookup, but a weighted tree).
+Each source finds the longest suffix of the request's text it holds and counts what followed its
+occurrences; the sources' continuations are merged into one tree whose node probabilities are those
+counts calibrated online per source, with match length and agreement between sources as evidence
+(``retrieval/calibration.py``); the best nodes by path probability fill the budget the engine
+gives. Any source can be switched off; with only the request's own text it is the short-term half of
+READER (like prompt lookup, but a weighted tree).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from reader_spec.drafters.retrieval.calibration import AcceptanceCalibrator, calibration_trials
+from reader_spec.drafters.calibration import node_trials
+from reader_spec.drafters.retrieval.calibration import match_contexts, source_calibrator
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.drafters.retrieval.history import DEFAULT_MAX_TOKENS, ResponseHistory
 from reader_spec.drafters.retrieval.ngram_index import AnyNgramIndex, Match, ngram_index
-from reader_spec.drafters.retrieval.tries import SourceMatch, draft_tree
+from reader_spec.drafters.retrieval.tries import Estimate, SourceMatch, draft_tree
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
 
 REUSED_INDEXES = 4
@@ -58,10 +60,10 @@ class DatastoreSource:
 
 @dataclass(frozen=True)
 class _Pending:
-    """What ``observe`` needs about a request's last proposal: each source's match and shares."""
+    """What ``observe`` needs about a request's last proposal: the estimate behind each node."""
 
     proposal: Proposal
-    sources: tuple[tuple[str, int, tuple[float, ...]], ...]
+    estimates: tuple[Estimate, ...]
 
 
 @dataclass
@@ -76,7 +78,8 @@ class ReaderDrafter:
     (``datastore``); implements ``Drafter``.
 
     Every source contributes its longest match (at least ``min_match`` tokens, and at most
-    ``max_ngram`` for the request's own text), and each source's calibrator prices each match length.
+    ``max_ngram`` for the request's own text), and each source's calibrator turns its counts into
+    probabilities.
     A long match may have occurred only once or twice, and its continuations then miss what the text
     usually does next: with ``half_matches`` the request's text and the history also contribute the
     match of half that length (``context-half``, ``history-half``, calibrated on their own), whose
@@ -115,7 +118,7 @@ class ReaderDrafter:
         self.max_occurrences = max_occurrences
         self.max_breadth = max_breadth
         self.half_matches = half_matches
-        self.calibrators = {name: AcceptanceCalibrator() for name in self.source_names}
+        self.calibrators = {name: source_calibrator() for name in self.source_names}
         self._requests: dict[Hashable, _Request] = {}
         self._ended: deque[AnyNgramIndex] = deque(maxlen=REUSED_INDEXES)
 
@@ -174,10 +177,9 @@ class ReaderDrafter:
             matches = [
                 m for m in self._source_matches(state.index, depth, found) if m.match_length >= self.min_match
             ]
-            proposal, shares = draft_tree(matches, max_nodes, self.max_breadth)
+            proposal, estimates = draft_tree(matches, max_nodes, self.max_breadth)
             if proposal:
-                sources = tuple((m.name, m.match_length, own) for m, own in zip(matches, shares, strict=True))
-                state.pending = _Pending(proposal, sources)
+                state.pending = _Pending(proposal, estimates)
             proposals.append(proposal)
         return proposals
 
@@ -212,10 +214,13 @@ class ReaderDrafter:
         return self._match(name, match.length, [(c, 1.0) for c in continuations], depth)
 
     def _match(self, name: str, length: int, continuations, depth: int) -> SourceMatch:
-        return SourceMatch(name, length, continuations, self.calibrators[name].confidences(length, depth))
+        table = self.calibrators[name].table()
+        return SourceMatch(name, length, continuations, match_contexts(length, depth), table)
 
     def observe(self, request: Hashable, proposal: Proposal, accepted: Sequence[int]) -> None:
-        """Learn from a verification of (a prefix of) the request's last proposal.
+        """Learn from a verification of (a prefix of) the request's last proposal: each tested node is
+        a trial for the source whose estimate labelled it (a source that agrees with another on likely
+        tokens would otherwise be credited with the other's acceptances).
 
         ``accepted`` are the indices of the accepted proposal nodes, root first. Feedback on anything
         else (another drafter's nodes, a stale proposal) cannot be attributed to a match and is ignored.
@@ -225,9 +230,9 @@ class ReaderDrafter:
         n = len(proposal)
         if pending is None or n == 0 or proposal != pending.proposal.truncated(n):
             return
-        for name, length, shares in pending.sources:
-            for depth, hit, exposure in calibration_trials(proposal, shares[:n], accepted):
-                self.calibrators[name].update(length + depth - 1, float(hit), exposure)
+        for node, hit in node_trials(proposal, accepted):
+            context, raw = pending.estimates[node]
+            self.calibrators[proposal.sources[node]].update(raw, hit, context)
 
     def end(self, request: Hashable) -> None:
         state = self._requests.pop(request, None)

@@ -6,14 +6,15 @@ import random
 
 import pytest
 
+from reader_spec.drafters.calibration import RAW_BOUNDS, ProbabilityCalibrator
 from reader_spec.drafters.retrieval import native
-from reader_spec.drafters.retrieval.calibration import AcceptanceCalibrator
+from reader_spec.drafters.retrieval.calibration import AGREEMENT_LEVELS, match_contexts
 from reader_spec.drafters.retrieval.tries import SourceMatch, draft_tree
 
 
 def random_sources(rng: random.Random) -> list[SourceMatch]:
-    """Up to 3 sources over a small alphabet with integer weights and coarse confidences, so shared
-    prefixes, tokens proposed by several sources and exactly equal probabilities are common."""
+    """Up to 3 sources over a small alphabet with integer weights and coarse calibration tables, so
+    shared prefixes, tokens proposed by several sources and exactly equal probabilities are common."""
     sources = []
     for name in rng.sample(["context", "history", "datastore"], rng.randint(1, 3)):
         depth = rng.randint(1, 8)
@@ -21,8 +22,11 @@ def random_sources(rng: random.Random) -> list[SourceMatch]:
             ([rng.randrange(5) for _ in range(rng.randint(0, depth))], float(rng.choice([0, 1, 1, 2, 3])))
             for _ in range(rng.randint(0, 12))
         ]
-        confidence = [rng.choice([0.0, 0.25, 0.5, 1.0, 1.5, rng.random()]) for _ in range(depth)]
-        sources.append(SourceMatch(name, rng.randint(1, 9), continuations, confidence))
+        contexts = match_contexts(rng.randint(1, 9), depth)
+        calibrator = ProbabilityCalibrator(1 + max(contexts) + AGREEMENT_LEVELS)
+        cells = len(calibrator.table())
+        table = [rng.choice([0.0, 0.25, 0.5, 0.999, rng.random()]) for _ in range(cells)]
+        sources.append(SourceMatch(name, rng.randint(1, 9), continuations, contexts, table))
     return sources
 
 
@@ -43,16 +47,12 @@ def test_compiled_and_pure_drafts_are_identical(monkeypatch):
     assert nonempty > compared // 2
 
 
-def test_a_continuation_deeper_than_its_confidence_is_refused(retrieval_path):
+def test_a_continuation_deeper_than_its_contexts_is_refused(retrieval_path):
+    table = ProbabilityCalibrator(16).table()
     with pytest.raises(IndexError):
-        draft_tree([SourceMatch("context", 1, [([1, 2, 3], 1.0)], [0.5])], 4)
+        draft_tree([SourceMatch("context", 1, [([1, 2, 3], 1.0)], [0], table)], 4)
 
 
-def test_confidences_equal_confidence_per_length():
-    calibrator = AcceptanceCalibrator()
-    for length, hits in ((1, 3.0), (4, 1.0), (7, 0.0), (12, 5.0)):
-        calibrator.update(length, hits, 5.0)
-    for first in range(0, 14):
-        for count in range(0, 12):
-            expected = [calibrator.confidence(first + d) for d in range(count)]
-            assert calibrator.confidences(first, count) == expected
+def test_a_context_outside_the_table_is_refused(retrieval_path):
+    with pytest.raises(IndexError):
+        draft_tree([SourceMatch("context", 1, [([1], 1.0)], [4], [0.5] * len(RAW_BOUNDS))], 4)

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import heapq
 import time
-from bisect import bisect_right
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from reader_spec.drafters.calibration import ProbabilityCalibrator, node_trials
 from reader_spec.engine.runner import ModelRunner, synchronizer
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
 from reader_spec.loading import LoadedModel
@@ -48,35 +48,6 @@ PREFILL_SPREAD = 32
 """Steps a request's draft prefill is spread over when deciding to start drafting for it."""
 INITIAL_ROWS = 4
 INITIAL_CAPACITY = 256
-
-
-class ProbabilityCalibrator:
-    """How often a child the draft model proposes with probability q is accepted, learned online.
-
-    Buckets of q, each a Beta-Binomial posterior mean whose prior is the bucket's own q (a perfectly
-    calibrated draft model needs no data); verification outcomes move it where the draft model is
-    over- or under-confident about the target.
-    """
-
-    BOUNDS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98)
-
-    def __init__(self, prior_strength: float = 8.0) -> None:
-        uppers = (*self.BOUNDS[1:], 1.0)
-        means = [(low + high) / 2 for low, high in zip(self.BOUNDS, uppers, strict=True)]
-        self._hits = [m * prior_strength for m in means]
-        self._trials = [prior_strength] * len(means)
-
-    def _bucket(self, q: float) -> int:
-        return bisect_right(self.BOUNDS, q) - 1
-
-    def __call__(self, q: float) -> float:
-        b = self._bucket(q)
-        return self._hits[b] / self._trials[b]
-
-    def update(self, q: float, hit: bool) -> None:
-        b = self._bucket(q)
-        self._hits[b] += hit
-        self._trials[b] += 1.0
 
 
 @dataclass
@@ -247,10 +218,9 @@ class ModelDrafter:
         if pending is None or n == 0 or proposal != pending[0].truncated(n):
             return
         raw = pending[1]
-        on_path = {-1, *accepted}
-        for node in range(n):
-            if proposal.parents[node] in on_path and proposal.sources[node] == MODEL_SOURCE:
-                self.calibrate.update(raw[node], node in on_path)
+        for node, hit in node_trials(proposal, accepted):
+            if proposal.sources[node] == MODEL_SOURCE:
+                self.calibrate.update(raw[node], hit)
 
     # --- drafting ----------------------------------------------------------------------------------
     def propose(self, request: Hashable, max_nodes: int) -> Proposal:

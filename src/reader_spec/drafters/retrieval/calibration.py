@@ -1,92 +1,36 @@
-"""How far each source's raw counts can be trusted, learned online from verification outcomes."""
+"""The contexts a retrieval source's estimates are calibrated in: match length and agreement.
+
+A source's raw estimate of a child is ``k / (n + 1)``: ``k`` of the ``n`` occurrences continuing past
+the node went on with the child's token, and one count is kept for a continuation never seen (the
+rule of succession). A plain share ``k / n`` calls a token seen once after a single occurrence as sure
+as one seen after fifty; measured on agent traces (99 tasks of ``../shared/data/agentic``), such
+tokens were accepted 52% and 96% of the time, and ``k / (n + 1)`` predicted both within 7 points.
+Calibration then splits each source's buckets by two things the raw estimate cannot see: how long
+the text's match with the source is at that depth (longer matches are stronger evidence), and how
+many sources propose the same token there (agreement of independent evidence: accepted 4% of the
+time when one source proposed a token, 50% when four did, at similar raw estimates).
+"""
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Sequence
 
-from reader_spec.engine.tree import Proposal
+from reader_spec.drafters.calibration import ProbabilityCalibrator
 
-
-def calibration_trials(
-    proposal: Proposal, shares: Sequence[float], accepted: Sequence[int]
-) -> list[tuple[int, bool, float]]:
-    """What one verification says about a source: (depth, hit, exposure) per level it was tested at.
-
-    At each depth the accepted path reached, the drafted children of the path's node there were
-    tested. Their summed shares are the source's exposure; a hit means the accepted child is one the
-    source proposed. Levels where the source proposed nothing tested carry no evidence and are skipped.
-    """
-    path = [-1, *accepted]
-    tested_at = {node: depth for depth, node in enumerate(path, 1)}  # whose children depth d tests
-    exposures = [0.0] * (len(path) + 1)
-    for i, parent in enumerate(proposal.parents):
-        depth = tested_at.get(parent)
-        if depth is not None:
-            exposures[depth] += shares[i]
-    trials = []
-    for depth in range(1, len(path) + 1):
-        if exposures[depth] > 0:
-            hit = depth < len(path) and shares[path[depth]] > 0
-            trials.append((depth, hit, exposures[depth]))
-    return trials
+MATCH_BOUNDS = (1, 2, 4, 8)
+"""Lower bounds of the match-length buckets."""
+AGREEMENT_LEVELS = 4
+"""Sources proposing the same token, counted 1, 2, 3 and 4 or more."""
+PRIOR_STRENGTH = 4.0
 
 
-class AcceptanceCalibrator:
-    """Online estimate of how often a drafted token is accepted, per match-length bucket.
+def source_calibrator() -> ProbabilityCalibrator:
+    """One source's calibrator: a context per (match-length bucket, agreement level)."""
+    return ProbabilityCalibrator(len(MATCH_BOUNDS) * AGREEMENT_LEVELS, PRIOR_STRENGTH)
 
-    The model: once a draft's path has been accepted down to a node, the text's suffix matches the
-    continuation source over some length m (the initial match L plus the accepted depth), and a child of
-    that node is accepted with probability ``min(1, c[b(m)] * share)``, where share is the child's
-    fraction of the continuations through the node and ``c[b]`` a per-bucket confidence. Path
-    probabilities are products of these factors (``select_best_first``).
 
-    Each attributable level of a verification (``calibration_trials``) is one trial at its bucket: a
-    hit if the accepted path went on below it, with exposure equal to the summed shares of the nodes
-    drafted there (1 for a chain whose occurrences all agree). The estimate is the Beta-Binomial
-    posterior mean generalised to fractional exposures,
-
-        c[b] = (prior_mean[b] * strength + hits[b]) / (strength + exposure[b]),
-
-    which is the Beta(prior_mean * strength, (1 - prior_mean) * strength) posterior mean when every
-    exposure is 1, and otherwise the rate that makes expected hits equal observed hits. Longer matches
-    get higher prior means because they are stronger evidence; data overrides the prior quickly.
-    """
-
-    def __init__(
-        self,
-        bounds: Sequence[int] = (1, 2, 3, 4, 6, 9),
-        prior_means: Sequence[float] = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7),
-        prior_strength: float = 4.0,
-    ) -> None:
-        if len(bounds) != len(prior_means) or list(bounds) != sorted(bounds) or bounds[0] != 1:
-            raise ValueError("bounds must be ascending from 1, one prior mean per bucket")
-        if prior_strength <= 0 or not all(0.0 < m <= 1.0 for m in prior_means):
-            raise ValueError("prior means must lie in (0, 1] and the strength be positive")
-        self.bounds = tuple(bounds)
-        self._alpha = [m * prior_strength for m in prior_means]
-        self._trials = [float(prior_strength)] * len(bounds)
-
-    def bucket(self, match_length: int) -> int:
-        """Bucket ``i`` holds lengths from ``bounds[i]`` up to the next bound; the last is open-ended."""
-        return max(bisect_right(self.bounds, match_length) - 1, 0)
-
-    def confidence(self, match_length: int) -> float:
-        b = self.bucket(match_length)
-        return self._alpha[b] / self._trials[b]
-
-    def confidences(self, first: int, count: int) -> list[float]:
-        """``confidence(first + d)`` for ``d`` in ``range(count)``: one division per bucket crossed."""
-        out: list[float] = []
-        b, length, end = self.bucket(first), first, first + count
-        while length < end:
-            upto = self.bounds[b + 1] if b + 1 < len(self.bounds) else end
-            run = min(upto, end) - length
-            out += [self._alpha[b] / self._trials[b]] * run
-            length, b = length + run, b + 1
-        return out
-
-    def update(self, match_length: int, hits: float, exposure: float) -> None:
-        b = self.bucket(match_length)
-        self._alpha[b] += hits
-        self._trials[b] += exposure
+def match_contexts(match_length: int, depth: int) -> list[int]:
+    """Per depth ``d`` (1 to ``depth``), the first context of the source's edges into depth ``d``,
+    whose match with the text is then ``match_length + d - 1`` tokens long; the agreement level
+    (0 for one source, up to ``AGREEMENT_LEVELS - 1``) is added where the sources are merged."""
+    return [max(bisect_right(MATCH_BOUNDS, match_length + d) - 1, 0) * AGREEMENT_LEVELS for d in range(depth)]

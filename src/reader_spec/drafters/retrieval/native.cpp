@@ -1,8 +1,8 @@
 // Drafting's hot loops in C++: the same rules as the pure Python functions they replace, to the bit.
 //
 // draft_tree: every source's weighted continuations merged into a prefix trie, then the nodes of
-//   highest path probability in the union of the tries picked best first (tries.py:
-//   build_continuation_trie, select_best_first, own_shares). Floating-point operations run in the
+//   highest calibrated path probability in the union of the tries picked best first (tries.py:
+//   build_continuation_trie, select_best_first). Floating-point operations run in the
 //   same order as in Python, ties break the same way (children in insertion order, the heap by push
 //   order), so both paths give identical proposals.
 // lookup: a datastore's longest suffix of each query of a batch, by bisection on the memory-mapped
@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -40,7 +41,14 @@ struct Trie {
 struct Source {
   PyObject* name;  // borrowed from the caller's arguments
   Trie trie;
-  std::vector<double> confidence;
+  std::vector<long> contexts;  // per depth, the first calibration context of edges into it
+  std::vector<double> table;   // calibrated estimates by cell: context x raw-estimate bucket
+};
+
+// How raw estimates are calibrated: the buckets' lower bounds, and how many agreement levels.
+struct Calibration {
+  std::vector<double> bounds;
+  long agreement_levels;
 };
 
 // A Python int as int64; false with the Python error set.
@@ -110,6 +118,8 @@ struct Candidate {
   int label;
   int64_t token;
   int nodes;  // offset of its per-source nodes in the shared node store
+  long context;  // the labelling source's calibration context and raw estimate
+  double raw;
 };
 
 struct Later {
@@ -120,17 +130,16 @@ struct Later {
 
 struct Entry {
   int64_t token;
-  double edge;
-  int label;
-  int nodes;
+  int nodes;     // offset of its per-source children (and raw estimates) in the scratch store
+  int proposers;
 };
 
 class Selector {
  public:
-  Selector(std::vector<Source>& sources, Py_ssize_t max_breadth)
-      : sources_(sources), breadth_(max_breadth) {}
+  Selector(std::vector<Source>& sources, const Calibration& calibration, Py_ssize_t max_breadth)
+      : sources_(sources), calibration_(calibration), breadth_(max_breadth) {}
 
-  // push_children: every source's children of the path's nodes, the best estimate per token.
+  // push_children: every source's children of the path's nodes, the best calibrated estimate per token.
   bool push(int nodes, double prob, int index) {
     const size_t s = sources_.size();
     entries_.clear();
@@ -138,16 +147,8 @@ class Selector {
       int node = store_[nodes + k];
       if (node < 0) continue;
       const Trie& trie = sources_[k].trie;
-      const double total = trie.child_weight[node];
-      const std::vector<double>& confidence = sources_[k].confidence;
+      const double total = trie.child_weight[node] + 1.0;
       for (const auto& [tok, child] : trie.children[node]) {
-        size_t d = static_cast<size_t>(trie.depth[child]) - 1;
-        if (d >= confidence.size()) {
-          PyErr_SetString(PyExc_IndexError, "a continuation is deeper than its source's confidence list");
-          return false;
-        }
-        double x = confidence[d] * trie.weight[child] / total;
-        double edge = x < 1.0 ? x : 1.0;
         Entry* entry = nullptr;
         for (auto& e : entries_)
           if (e.token == tok) {
@@ -157,30 +158,67 @@ class Selector {
         if (!entry) {
           int at = static_cast<int>(scratch_.size());
           scratch_.insert(scratch_.end(), s, -1);
-          entries_.push_back({tok, 0.0, static_cast<int>(k), at});
+          scratch_raw_.insert(scratch_raw_.end(), s, 0.0);
+          entries_.push_back({tok, at, 0});
           entry = &entries_.back();
         }
         scratch_[entry->nodes + k] = child;
-        if (edge > entry->edge) {
-          entry->edge = edge;
-          entry->label = static_cast<int>(k);
-        }
+        scratch_raw_[entry->nodes + k] = trie.weight[child] / total;
+        ++entry->proposers;
       }
     }
-    std::stable_sort(entries_.begin(), entries_.end(),
-                     [](const Entry& a, const Entry& b) { return -a.edge < -b.edge; });
-    size_t keep = breadth_ > 0 ? std::min(entries_.size(), static_cast<size_t>(breadth_)) : entries_.size();
+    const size_t buckets = calibration_.bounds.size();
+    ranked_.clear();
+    for (const Entry& e : entries_) {
+      const long agreement = std::min<long>(e.proposers, calibration_.agreement_levels) - 1;
+      Candidate best{0.0, 0, index, -1, e.token, e.nodes, 0, 0.0};
+      for (size_t k = 0; k < s; ++k) {
+        int child = scratch_[e.nodes + k];
+        if (child < 0) continue;
+        if (best.label < 0) best.label = static_cast<int>(k);
+        const Source& source = sources_[k];
+        size_t d = static_cast<size_t>(source.trie.depth[child]) - 1;
+        if (d >= source.contexts.size()) {
+          PyErr_SetString(PyExc_IndexError, "a continuation is deeper than its source's calibration contexts");
+          return false;
+        }
+        const double raw = scratch_raw_[e.nodes + k];
+        const auto& bounds = calibration_.bounds;
+        long bucket = static_cast<long>(std::upper_bound(bounds.begin(), bounds.end(), raw) - bounds.begin()) - 1;
+        const long context = source.contexts[d] + agreement;
+        const size_t cell = static_cast<size_t>(context) * buckets + static_cast<size_t>(std::max(bucket, 0L));
+        if (context < 0 || cell >= source.table.size()) {
+          PyErr_SetString(PyExc_IndexError, "a calibration context lies outside its source's table");
+          return false;
+        }
+        const double calibrated = source.table[cell];
+        if (calibrated > best.prob) {
+          best.prob = calibrated;
+          best.label = static_cast<int>(k);
+          best.context = context;
+          best.raw = raw;
+        }
+      }
+      ranked_.push_back(best);
+    }
+    std::stable_sort(ranked_.begin(), ranked_.end(),
+                     [](const Candidate& a, const Candidate& b) { return -a.prob < -b.prob; });
+    size_t keep = breadth_ > 0 ? std::min(ranked_.size(), static_cast<size_t>(breadth_)) : ranked_.size();
     for (size_t i = 0; i < keep; ++i) {
-      const Entry& e = entries_[i];
-      double p = prob * e.edge;
+      Candidate c = ranked_[i];
+      double p = prob * c.prob;
       if (p > 0.0) {
         int at = static_cast<int>(store_.size());
-        store_.insert(store_.end(), scratch_.begin() + e.nodes, scratch_.begin() + e.nodes + s);
-        heap_.push_back({p, order_++, index, e.label, e.token, at});
+        store_.insert(store_.end(), scratch_.begin() + c.nodes, scratch_.begin() + c.nodes + s);
+        c.prob = p;
+        c.order = order_++;
+        c.nodes = at;
+        heap_.push_back(c);
         std::push_heap(heap_.begin(), heap_.end(), Later());
       }
     }
     scratch_.clear();
+    scratch_raw_.clear();
     return true;
   }
 
@@ -198,16 +236,15 @@ class Selector {
     return true;
   }
 
-  // (tokens, parents, probs, labels, own shares per source)
+  // (tokens, parents, probs, labels, (context, raw estimate) per node)
   PyObject* result() const {
     const Py_ssize_t n = static_cast<Py_ssize_t>(picked_.size());
-    const size_t s = sources_.size();
     PyObject* tokens = PyTuple_New(n);
     PyObject* parents = PyTuple_New(n);
     PyObject* probs = PyTuple_New(n);
     PyObject* labels = PyTuple_New(n);
-    PyObject* shares = PyTuple_New(static_cast<Py_ssize_t>(s));
-    if (!tokens || !parents || !probs || !labels || !shares) goto fail;
+    PyObject* estimates = PyTuple_New(n);
+    if (!tokens || !parents || !probs || !labels || !estimates) goto fail;
     for (Py_ssize_t i = 0; i < n; ++i) {
       const Candidate& c = picked_[i];
       PyTuple_SET_ITEM(tokens, i, PyLong_FromLongLong(c.token));
@@ -216,80 +253,84 @@ class Selector {
       PyObject* name = sources_[c.label].name;
       Py_INCREF(name);
       PyTuple_SET_ITEM(labels, i, name);
-    }
-    for (size_t k = 0; k < s; ++k) {
-      PyObject* own = PyTuple_New(n);
-      if (!own) goto fail;
-      PyTuple_SET_ITEM(shares, static_cast<Py_ssize_t>(k), own);
-      const Trie& trie = sources_[k].trie;
-      for (Py_ssize_t i = 0; i < n; ++i) {
-        const Candidate& c = picked_[i];
-        double share = 0.0;
-        if (c.label == static_cast<int>(k)) {
-          int above = c.parent < 0 ? 0 : store_[picked_[c.parent].nodes + k];
-          share = trie.weight[store_[c.nodes + k]] / trie.child_weight[above];
-        }
-        PyTuple_SET_ITEM(own, i, PyFloat_FromDouble(share));
-      }
+      PyTuple_SET_ITEM(estimates, i, Py_BuildValue("(ld)", c.context, c.raw));
     }
     for (Py_ssize_t i = 0; i < n; ++i)
-      if (!PyTuple_GET_ITEM(tokens, i) || !PyTuple_GET_ITEM(parents, i) || !PyTuple_GET_ITEM(probs, i))
+      if (!PyTuple_GET_ITEM(tokens, i) || !PyTuple_GET_ITEM(parents, i) || !PyTuple_GET_ITEM(probs, i) ||
+          !PyTuple_GET_ITEM(estimates, i))
         goto fail;
-    return Py_BuildValue("(NNNNN)", tokens, parents, probs, labels, shares);
+    return Py_BuildValue("(NNNNN)", tokens, parents, probs, labels, estimates);
   fail:
     Py_XDECREF(tokens);
     Py_XDECREF(parents);
     Py_XDECREF(probs);
     Py_XDECREF(labels);
-    Py_XDECREF(shares);
+    Py_XDECREF(estimates);
     return nullptr;
   }
 
  private:
   std::vector<Source>& sources_;
+  const Calibration& calibration_;
   Py_ssize_t breadth_;
-  std::vector<int> store_;    // per candidate, its node in each source's trie (-1: absent)
-  std::vector<int> scratch_;  // the same for the entries of one push
+  std::vector<int> store_;          // per candidate, its node in each source's trie (-1: absent)
+  std::vector<int> scratch_;        // the same for the entries of one push
+  std::vector<double> scratch_raw_; // and each source's raw estimate of the entry
   std::vector<Entry> entries_;
+  std::vector<Candidate> ranked_;
   std::vector<Candidate> heap_;
   std::vector<Candidate> picked_;
   int64_t order_ = 0;
 };
 
-// draft_tree(sources, max_nodes, max_breadth): sources is a sequence of
-// (name, continuations, confidence); max_breadth 0 means unlimited.
+// A Python sequence of numbers as a vector; false with the Python error set.
+template <typename T>
+bool as_vector(PyObject* sequence, const char* what, std::vector<T>* out) {
+  PyObject* items = PySequence_Fast(sequence, what);
+  if (!items) return false;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items); ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(items, i);
+    T value = std::is_floating_point_v<T> ? static_cast<T>(PyFloat_AsDouble(item)) : static_cast<T>(PyLong_AsLong(item));
+    if (value == static_cast<T>(-1) && PyErr_Occurred()) break;
+    out->push_back(value);
+  }
+  Py_DECREF(items);
+  return !PyErr_Occurred();
+}
+
+// draft_tree(sources, max_nodes, max_breadth, bounds, agreement_levels): sources is a sequence of
+// (name, continuations, contexts, table); max_breadth 0 means unlimited.
 PyObject* draft_tree(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "draft_tree(sources, max_nodes, max_breadth)");
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "draft_tree(sources, max_nodes, max_breadth, bounds, agreement_levels)");
     return nullptr;
   }
   Py_ssize_t max_nodes = PyLong_AsSsize_t(args[1]);
   Py_ssize_t max_breadth = PyLong_AsSsize_t(args[2]);
-  if (PyErr_Occurred()) return nullptr;
+  Calibration calibration{{}, PyLong_AsLong(args[4])};
+  if (PyErr_Occurred() || !as_vector(args[3], "bounds must be a sequence", &calibration.bounds)) return nullptr;
+  if (calibration.bounds.empty() || calibration.agreement_levels < 1) {
+    PyErr_SetString(PyExc_ValueError, "need at least one bucket bound and one agreement level");
+    return nullptr;
+  }
   PyObject* items = PySequence_Fast(args[0], "sources must be a sequence");
   if (!items) return nullptr;
   std::vector<Source> sources(static_cast<size_t>(PySequence_Fast_GET_SIZE(items)));
   PyObject* result = nullptr;
   for (size_t k = 0; k < sources.size(); ++k) {
     PyObject* source = PySequence_Fast_GET_ITEM(items, static_cast<Py_ssize_t>(k));
-    if (!PyTuple_Check(source) || PyTuple_GET_SIZE(source) != 3) {
-      PyErr_SetString(PyExc_TypeError, "a source must be a (name, continuations, confidence) tuple");
+    if (!PyTuple_Check(source) || PyTuple_GET_SIZE(source) != 4) {
+      PyErr_SetString(PyExc_TypeError, "a source must be a (name, continuations, contexts, table) tuple");
       goto done;
     }
     sources[k].name = PyTuple_GET_ITEM(source, 0);
-    if (!build_trie(PyTuple_GET_ITEM(source, 1), &sources[k].trie)) goto done;
-    PyObject* confidence = PySequence_Fast(PyTuple_GET_ITEM(source, 2), "confidence must be a sequence");
-    if (!confidence) goto done;
-    for (Py_ssize_t d = 0; d < PySequence_Fast_GET_SIZE(confidence); ++d) {
-      double c = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(confidence, d));
-      if (c == -1.0 && PyErr_Occurred()) break;
-      sources[k].confidence.push_back(c);
-    }
-    Py_DECREF(confidence);
-    if (PyErr_Occurred()) goto done;
+    if (!build_trie(PyTuple_GET_ITEM(source, 1), &sources[k].trie) ||
+        !as_vector(PyTuple_GET_ITEM(source, 2), "contexts must be a sequence", &sources[k].contexts) ||
+        !as_vector(PyTuple_GET_ITEM(source, 3), "table must be a sequence", &sources[k].table))
+      goto done;
   }
   {
-    Selector selector(sources, max_breadth);
+    Selector selector(sources, calibration, max_breadth);
     if (max_nodes > 0 && !sources.empty() && selector.run(max_nodes)) result = selector.result();
     else if (!PyErr_Occurred()) result = selector.result();
   }
@@ -754,7 +795,7 @@ PyTypeObject NgramTableType = [] {
 PyMethodDef methods[] = {
     {"draft_tree", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(draft_tree)), METH_FASTCALL,
      "Merge sources' continuations into tries and pick the best nodes: (tokens, parents, probs, labels, "
-     "own shares)."},
+     "(context, raw estimate) per node)."},
     {"lookup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(lookup)), METH_FASTCALL,
      "For each query, a datastore's longest suffix of it and the counted continuations of its occurrences."},
     {nullptr, nullptr, 0, nullptr}};

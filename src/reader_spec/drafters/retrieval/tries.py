@@ -2,9 +2,9 @@
 
 ``draft_tree`` is the entry point: it runs in the compiled retrieval core where that is built, else in
 the pure functions below, which define the rules: any source's continuations become a weighted prefix
-trie (``build_continuation_trie``), the nodes of highest path probability in the union of the sources'
-tries are picked under a node budget (``select_best_first``), and each source is credited with the
-nodes it labelled (``own_shares``). Both paths give identical drafts.
+trie (``build_continuation_trie``), and the nodes of highest calibrated path probability in the union
+of the sources' tries are picked under a node budget (``select_best_first``), each with the estimate
+that decided it, so that calibration can learn from it. Both paths give identical drafts.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from reader_spec.drafters.calibration import RAW_BOUNDS, raw_bucket
 from reader_spec.drafters.retrieval import native
+from reader_spec.drafters.retrieval.calibration import AGREEMENT_LEVELS
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
 
 
@@ -71,130 +73,120 @@ def build_continuation_trie(continuations: Iterable[tuple[Sequence[int], float]]
 
 @dataclass(frozen=True)
 class SourceMatch:
-    """One source's weighted continuations after its longest match, and how far to trust them by
-    depth (``confidence[d - 1]`` for edges into depth ``d``)."""
+    """One source's weighted continuations after its longest match, and how to calibrate them:
+    ``contexts[d - 1]`` is the first calibration context of edges into depth ``d`` (``match_contexts``)
+    and ``table`` the source's calibrated estimates (``ProbabilityCalibrator.table``)."""
 
     name: str
     match_length: int
     continuations: Sequence[tuple[Sequence[int], float]]
-    confidence: Sequence[float]
+    contexts: Sequence[int]
+    table: Sequence[float]
+
+
+Estimate = tuple[int, float]
+"""What decided a drafted node: its labelling source's calibration context and raw estimate."""
 
 
 def draft_tree(
     sources: Sequence[SourceMatch], max_nodes: int, max_breadth: int | None = None
-) -> tuple[Proposal, tuple[tuple[float, ...], ...]]:
-    """The best nodes of the sources' merged tries (``select_best_first``), and per source its shares
-    of the nodes it labelled (``own_shares``), which is what calibration credits it with."""
-    nothing = tuple(() for _ in sources)
+) -> tuple[Proposal, tuple[Estimate, ...]]:
+    """The best nodes of the sources' merged tries (``select_best_first``), and each node's estimate."""
     if max_nodes <= 0 or not sources:
-        return EMPTY_PROPOSAL, nothing
+        return EMPTY_PROPOSAL, ()
     core = native.core()
     if core is None:
         tries = [
-            SourceTrie(s.name, s.match_length, build_continuation_trie(s.continuations), s.confidence)
-            for s in sources
+            SourceTrie(s.name, build_continuation_trie(s.continuations), s.contexts, s.table) for s in sources
         ]
-        proposal = select_best_first(tries, max_nodes, max_breadth)
-        return proposal, tuple(own_shares(t, proposal) for t in tries) if proposal else nothing
-    raw = [(s.name, s.continuations, s.confidence) for s in sources]
-    tokens, parents, probs, labels, shares = core.draft_tree(raw, max_nodes, max_breadth or 0)
+        return select_best_first(tries, max_nodes, max_breadth)
+    raw = [(s.name, s.continuations, s.contexts, s.table) for s in sources]
+    tokens, parents, probs, labels, estimates = core.draft_tree(
+        raw, max_nodes, max_breadth or 0, RAW_BOUNDS, AGREEMENT_LEVELS
+    )
     if not tokens:
-        return EMPTY_PROPOSAL, nothing
-    return Proposal(tokens, parents, probs, labels), shares
+        return EMPTY_PROPOSAL, ()
+    return Proposal(tokens, parents, probs, labels), estimates
 
 
 @dataclass(frozen=True)
 class SourceTrie:
-    """One source's continuations after its longest match, and how far to trust them by depth.
-
-    ``confidence[d - 1]`` is the calibrated acceptance rate of the source's edges into depth ``d``
-    (their match with the text is then ``match_length + d - 1`` tokens long).
-    """
+    """One source's continuations as a trie, with its calibration (as in ``SourceMatch``)."""
 
     name: str
-    match_length: int
     trie: ContinuationTrie
-    confidence: Sequence[float]
+    contexts: Sequence[int]
+    table: Sequence[float]
 
 
 def select_best_first(
     sources: Sequence[SourceTrie], max_nodes: int, max_breadth: int | None = None
-) -> Proposal:
+) -> tuple[Proposal, tuple[Estimate, ...]]:
     """The ``max_nodes`` nodes of highest path probability in the union of the sources' tries.
 
-    A node of the union is a token path; each source holding the path proposes its children, an edge
-    into depth ``d`` with probability ``min(1, confidence[d - 1] * share)``, where share is the
-    child's fraction of the source's onward weight there. Where several sources propose the same
-    child, the most confident estimate counts (each is calibrated on its own; agreement is not taken
-    as independent evidence). A path's probability is the product along it; every factor is at most
-    1, so popping a max-heap of frontier nodes yields exactly the top nodes with every parent before
-    its children (the rule EAGLE-2 and Sequoia use: with calibrated probabilities it maximises the
-    expected accepted length). ``max_breadth`` keeps only the likeliest children of each node (1 gives
-    a chain). A node is labelled with the source of its estimate; zero-probability nodes never appear.
+    A node of the union is a token path; each source holding the path proposes its children. A
+    child's raw estimate from a source is ``k / (n + 1)`` (``k`` of the ``n`` continuations going on
+    from the node go through the child; weights count occurrences), calibrated in the source's table
+    at the edge's context: its depth's match context plus the agreement level (how many sources
+    propose the token there, less one, at most ``AGREEMENT_LEVELS - 1``). Where several sources
+    propose the same child, the highest calibrated estimate counts and labels the node. A path's
+    probability is the product along it; every factor is below 1, so popping a max-heap of frontier
+    nodes yields exactly the top nodes with every parent before its children (the rule EAGLE-2 and
+    Sequoia use: with calibrated probabilities it maximises the expected accepted length).
+    ``max_breadth`` keeps only the likeliest children of each node (1 gives a chain). Zero-probability
+    nodes never appear.
     """
     if max_nodes <= 0 or not sources:
-        return EMPTY_PROPOSAL
-    heap: list[tuple[float, int, int, str, tuple[int, ...]]] = []
+        return EMPTY_PROPOSAL, ()
+    heap: list[tuple[float, int, int, str, Estimate, tuple[int, ...]]] = []
     counter = 0  # ties keep the order of discovery: deterministic, and recency-first within a source
 
     def push_children(nodes: tuple[int, ...], prob: float, index: int) -> None:
         nonlocal counter
-        best: dict[int, tuple[float, str, list[int]]] = {}
+        found: dict[int, list[tuple[int, int, float]]] = {}  # token: (source, its child, raw estimate)
         for k, (source, node) in enumerate(zip(sources, nodes, strict=True)):
             if node < 0:
                 continue
             trie = source.trie
-            total = trie.child_weights[node]
+            total = trie.child_weights[node] + 1.0
             for token, child in trie.children[node].items():
-                edge = min(1.0, source.confidence[trie.depths[child] - 1] * trie.weights[child] / total)
-                entry = best.get(token)
-                if entry is None:
-                    entry = best[token] = (0.0, source.name, [-1] * len(sources))
-                entry[2][k] = child
-                if edge > entry[0]:
-                    best[token] = (edge, source.name, entry[2])
-        ranked = sorted(best.items(), key=lambda item: -item[1][0])
-        for token, (edge, name, children) in ranked[:max_breadth]:
+                found.setdefault(token, []).append((k, child, trie.weights[child] / total))
+        ranked = []
+        for token, proposers in found.items():
+            agreement = min(len(proposers), AGREEMENT_LEVELS) - 1
+            edge, label, estimate = 0.0, proposers[0][0], (0, 0.0)
+            children = [-1] * len(sources)
+            for k, child, raw in proposers:
+                children[k] = child
+                source = sources[k]
+                depth = source.trie.depths[child]
+                if depth > len(source.contexts):
+                    raise IndexError("a continuation is deeper than its source's calibration contexts")
+                context = source.contexts[depth - 1] + agreement
+                calibrated = source.table[context * len(RAW_BOUNDS) + raw_bucket(raw)]
+                if calibrated > edge:
+                    edge, label, estimate = calibrated, k, (context, raw)
+            ranked.append((edge, token, sources[label].name, estimate, children))
+        ranked.sort(key=lambda entry: -entry[0])
+        for edge, token, name, estimate, children in ranked[:max_breadth]:
             if prob * edge > 0.0:
-                heapq.heappush(heap, (-prob * edge, counter, index, name, (token, *children)))
+                heapq.heappush(heap, (-prob * edge, counter, index, name, estimate, (token, *children)))
                 counter += 1
 
     tokens: list[int] = []
     parents: list[int] = []
     probs: list[float] = []
     names: list[str] = []
+    estimates: list[Estimate] = []
     push_children(tuple([0] * len(sources)), 1.0, -1)
     while heap and len(tokens) < max_nodes:
-        neg_prob, _, parent, name, (token, *children) = heapq.heappop(heap)
+        neg_prob, _, parent, name, estimate, (token, *children) = heapq.heappop(heap)
         tokens.append(token)
         parents.append(parent)
         probs.append(-neg_prob)
         names.append(name)
+        estimates.append(estimate)
         push_children(tuple(children), -neg_prob, len(tokens) - 1)
     if not tokens:
-        return EMPTY_PROPOSAL
-    return Proposal(tuple(tokens), tuple(parents), tuple(probs), tuple(names))
-
-
-def edge_shares(trie: ContinuationTrie, proposal: Proposal) -> tuple[float, ...]:
-    """Per proposed node: its fraction of its parent's onward weight in ``trie`` (0 where absent)."""
-    nodes: list[int] = []
-    shares: list[float] = []
-    for token, parent in zip(proposal.tokens, proposal.parents, strict=True):
-        above = nodes[parent] if parent >= 0 else 0
-        node = trie.children[above].get(token, -1) if above >= 0 else -1
-        nodes.append(node)
-        shares.append(trie.weights[node] / trie.child_weights[above] if node >= 0 else 0.0)
-    return tuple(shares)
-
-
-def own_shares(source: SourceTrie, proposal: Proposal) -> tuple[float, ...]:
-    """The source's shares of the nodes it labelled (its estimate was the one used), 0 elsewhere.
-
-    A source is calibrated only where its estimate decided: a corpus or history source that agrees
-    with the request's own text on likely tokens would otherwise be credited with those acceptances
-    and over-trusted where it alone proposes (measured before this rule: datastore-labelled nodes
-    accepted at about half their estimated rate).
-    """
-    shares = zip(edge_shares(source.trie, proposal), proposal.sources, strict=True)
-    return tuple(share if label == source.name else 0.0 for share, label in shares)
+        return EMPTY_PROPOSAL, ()
+    return Proposal(tuple(tokens), tuple(parents), tuple(probs), tuple(names)), tuple(estimates)

@@ -1,0 +1,41 @@
+"""Calibration of drafted nodes: the bucketed estimator and which nodes a verification tested."""
+
+from __future__ import annotations
+
+import pytest
+
+from reader_spec.drafters.calibration import ProbabilityCalibrator, node_trials
+from reader_spec.engine.tree import Proposal
+
+
+def test_calibration_table_equals_the_calibrator():
+    calibrator = ProbabilityCalibrator(3, prior_strength=2.0)
+    trials = ((0.01, True, 0), (0.5, False, 1), (0.97, True, 2), (0.5, True, 1), (1.0, False, 2))
+    for q, hit, context in trials:
+        calibrator.update(q, hit, context)
+    for context in range(3):
+        for q in (0.0, 0.01, 0.3, 0.5, 0.97, 0.99, 1.0):
+            assert calibrator.table()[calibrator.cell(q, context)] == calibrator(q, context)
+    assert calibrator(0.5, 1) == pytest.approx((0.55 * 2 + 1) / 4)
+
+
+def test_a_calibrator_learns_and_keeps_contexts_apart():
+    calibrator = ProbabilityCalibrator(2)
+    before = calibrator(0.95)
+    for _ in range(40):
+        calibrator.update(0.95, False)
+    assert calibrator(0.95) < before / 3
+    assert calibrator(0.95, 1) == before
+    with pytest.raises(ValueError):
+        ProbabilityCalibrator(0)
+
+
+def test_node_trials_follow_the_accepted_path() -> None:
+    chain = Proposal((1, 2, 3), (-1, 0, 1), (0.5, 0.4, 0.3))
+    assert node_trials(chain, []) == [(0, False)]
+    assert node_trials(chain, [0]) == [(0, True), (1, False)]
+    assert node_trials(chain, [0, 1, 2]) == [(0, True), (1, True), (2, True)]
+    tree = Proposal((1, 4, 2, 5), (-1, -1, 0, 1), (0.5, 0.2, 0.3, 0.1))
+    # Both root children were tested; the one accepted decides which children were tested next.
+    assert node_trials(tree, [0, 2]) == [(0, True), (1, False), (2, True)]
+    assert node_trials(tree, [1]) == [(0, False), (1, True), (3, False)]
