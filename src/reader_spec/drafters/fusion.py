@@ -9,9 +9,10 @@ probability, parents first, and the engine's budget cuts the list.
   runs only in steps where it pays beside the retrieval tree (a long, sure match may fill the tree
   alone). Whether it pays is learned from outcomes (:class:`StepChooser`): the tokens per second
   of steps drafted both ways, by how much the retrieval tree alone expects to be accepted.
-- ``rasd`` (RASD): the draft model runs every step; a retrieval branch is kept only when the draft
-  model finds its first token plausible (among its ``rasd_top_k`` likeliest, with probability at
-  least ``rasd_min_prob``), then the trees are merged.
+- ``rasd`` (RASD): the draft model runs every step, its tree grown level by level as deep as the
+  step's costs pay for (up to the drafter's ``max_depth``); a retrieval branch is kept only when the
+  draft model finds its first token plausible (among its ``rasd_top_k`` likeliest, with probability
+  at least ``rasd_min_prob``), then the trees are merged.
 """
 
 from __future__ import annotations
@@ -236,8 +237,8 @@ class FusedDrafter:
         if self.mode == "reader":
             drafted = self._reader_model(requests, retrieved, max_nodes, verify_seconds, started)
             kept = retrieved
-        else:
-            drafted = self.model.propose_batch(requests, max_nodes)
+        else:  # every step, each level only where it pays for its pass
+            drafted = self.model.propose_batch(requests, max_nodes, verify_seconds, first_level=True)
             kept = [self._prune(request, p) for request, p in zip(requests, retrieved, strict=True)]
         fused = []
         for request, *parts in zip(requests, kept, retrieved, drafted, strict=True):
