@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from reader_spec.budget.costs import CostModel
 from reader_spec.config import GenerationConfig
 from reader_spec.drafters import ReaderDrafter
 from reader_spec.drafters.fusion import FusedDrafter, merge_proposals, prune_branches, sub_feedback
@@ -88,6 +89,28 @@ def test_adaptive_budget_with_measured_costs_stays_exact(tiny, prompts, plain, s
     drafter = FusedDrafter(ReaderDrafter(), ModelDrafter(same_draft), "reader")
     outputs = Engine(tiny, drafter, budget=8).generate(prompts, NO_EOS, batch_size=4)
     assert [o.tokens for o in outputs] == [o.tokens for o in plain]
+
+
+def test_rasd_runs_the_draft_model_every_step_but_only_the_levels_that_pay(
+    tiny, prompts, plain, same_draft, monkeypatch
+):
+    """Where every verified draft token costs a whole pass, no level beyond the first pays (once the
+    draft passes are timed); where verification is flat, levels are grown every step."""
+    levels, firsts = [], []
+    grow, first = ModelDrafter._grow, ModelDrafter._first_level
+    monkeypatch.setattr(ModelDrafter, "_grow", lambda self, *a: (levels.append(1), grow(self, *a))[1])
+    monkeypatch.setattr(ModelDrafter, "_first_level", lambda self, *a: (firsts.append(1), first(self, *a))[1])
+    dear = CostModel(measure=lambda batch, drafted, context: {d: 1.0 + d for d in drafted})
+    grown = {}
+    for name, costs in (("flat", FLAT_COSTS), ("dear", dear)):
+        levels.clear()
+        firsts.clear()
+        drafter = FusedDrafter(ReaderDrafter(), ModelDrafter(same_draft, max_depth=4), "rasd")
+        outputs = Engine(tiny, drafter, budget=8, costs=costs).generate(prompts, NO_EOS, batch_size=3)
+        assert [o.tokens for o in outputs] == [o.tokens for o in plain]
+        assert len(firsts) >= sum(o.stats.steps for o in outputs) / 3  # every step (3 requests a step)
+        grown[name] = len(levels)
+    assert grown["flat"] > 2 * len(firsts) and grown["dear"] < 5
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused(tiny, tiny_llama_dir):
