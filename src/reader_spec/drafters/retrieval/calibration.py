@@ -3,12 +3,10 @@
 A source's raw estimate of a child is ``k / (n + 1)``: ``k`` of the ``n`` occurrences continuing past
 the node went on with the child's token, and one count is kept for a continuation never seen (the
 rule of succession). A plain share ``k / n`` calls a token seen once after a single occurrence as sure
-as one seen after fifty; measured on agent traces (99 tasks of ``../shared/data/agentic``), such
-tokens were accepted 52% and 96% of the time, and ``k / (n + 1)`` predicted both within 7 points.
-Calibration then splits each source's buckets by two things the raw estimate cannot see: how long
-the text's match with the source is at that depth (longer matches are stronger evidence), and how
-many sources propose the same token there (agreement of independent evidence: accepted 4% of the
-time when one source proposed a token, 50% when four did, at similar raw estimates).
+as one seen after fifty, which agent traces show it is not. Calibration then splits each source's
+buckets by two things the raw estimate cannot see: how long the text's match with the source is at
+that depth (longer matches are stronger evidence), and how many sources propose the same token there.
+The measurements behind this are in ``docs/architecture.md`` (Drafters).
 """
 
 from __future__ import annotations
