@@ -310,7 +310,7 @@ def test_all_sources_on_are_exact_and_each_is_credited(tiny, prompts, plain_outp
     credited = Counter()
     for o in greedy:
         credited.update(o.stats.accepted_by_source)
-    assert credited["datastore"] > sum(o.stats.new_tokens for o in greedy) / 2
+    assert credited["datastore"] > sum(credited.values()) / 2  # most accepted draft tokens
     sampled = engine.generate(prompts, mixed_configs(len(prompts)), batch_size=4)
     plain = Engine(tiny).generate(prompts, mixed_configs(len(prompts)))
     assert [o.tokens for o in sampled] == [o.tokens for o in plain]
