@@ -92,3 +92,24 @@ def test_replay_ceiling_follows_the_best_occurrence(monkeypatch, capsys, tmp_pat
     text_only = float(out.split("ceiling from the text: ")[1].split(" ")[0])
     with_history = float(out.split("ceiling from the text and history: ")[1].split(" ")[0])
     assert 1.0 <= text_only < with_history  # the second task's answers repeat the first's
+
+
+def test_replay_calibration_reports_every_trial(monkeypatch, capsys, tmp_path):
+    from tests.bench.test_replay import CONVERSATION, TURN_TEMPLATE, write_tasks
+    from tests.conftest import make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.chat_template = TURN_TEMPLATE
+    tokenizer.save_pretrained(tmp_path / "tok")
+    write_tasks(tmp_path / "tasks.jsonl.gz", [{"messages": CONVERSATION}] * 2)
+    monkeypatch.setenv("READER_SPEC_CACHE", str(tmp_path / "cache"))
+    argv = ["replay_calibration.py", str(tmp_path / "tasks.jsonl.gz"), "--model", str(tmp_path / "tok")]
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(str(SCRIPTS / "replay_calibration.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    trials = int(out.split(" steps, ")[1].split(" trials")[0].replace(",", ""))
+    by_agreement = out.split("by sources agreeing")[1].split("by labelling source")[0]
+    counted = [
+        int(line.split(":")[1].split()[0].replace(",", "")) for line in by_agreement.splitlines()[1:] if line
+    ]
+    assert trials > 0 and sum(counted) == trials  # every trial lands in exactly one row
