@@ -12,15 +12,14 @@ behind the calibration design in ``docs/architecture.md`` (Drafters).
 
 from __future__ import annotations
 
-import argparse
 from collections import defaultdict
 
-from reader_spec.bench.replay import load_conversations, run_replay
+from recordings import recorded_tasks, recording_arguments
+
+from reader_spec.bench.replay import run_replay
 from reader_spec.drafters import ReaderDrafter
 from reader_spec.drafters.calibration import RAW_BOUNDS, raw_bucket
 from reader_spec.drafters.retrieval.calibration import AGREEMENT_LEVELS
-from reader_spec.files import cache_root
-from reader_spec.loading import load_tokenizer
 
 
 def record_trials(drafter: ReaderDrafter) -> list[tuple[str, float, float, int, bool]]:
@@ -50,16 +49,8 @@ def table(title: str, groups: dict[object, list[tuple[float, float, bool]]]) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("recording", help="JSONL (optionally .gz) of {messages: [...]}, as replay reads")
-    parser.add_argument("--model", help="whose tokenizer (default: the default model's)")
-    parser.add_argument("--budget", type=int, default=32, help="draft nodes per step")
-    parser.add_argument("--limit", type=int, help="first N tasks")
-    args = parser.parse_args()
-    loaded = load_tokenizer(args.model)
-    conversations = load_conversations(
-        args.recording, loaded.tokenizer, loaded.fingerprint, cache_root() / "replay"
-    )[: args.limit]
+    args = recording_arguments(__doc__.split("\n\n")[0]).parse_args()
+    conversations = recorded_tasks(args)
     drafter = ReaderDrafter()
     trials = record_trials(drafter)
     report = run_replay(conversations, {"reader": drafter}, args.budget, progress=False)

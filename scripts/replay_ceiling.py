@@ -12,13 +12,8 @@ best occurrence in hindsight, so this bounds a single chain drafted from those s
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
-
-from reader_spec.bench.replay import load_conversations
-from reader_spec.files import cache_root
-from reader_spec.loading import load_tokenizer
+from recordings import recorded_tasks, recording_arguments
 
 SEPARATOR = -1
 """Ends each response in the searched history: never a token, so no run crosses it."""
@@ -36,16 +31,8 @@ def best_run(text: np.ndarray, recording: np.ndarray, start: int, end: int, budg
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("recording", help="JSONL (optionally .gz) of {messages: [...]}, as replay reads")
-    parser.add_argument("--model", help="whose tokenizer (default: the default model's)")
-    parser.add_argument("--budget", type=int, default=32, help="most tokens a step may accept")
-    parser.add_argument("--limit", type=int, help="first N tasks")
-    args = parser.parse_args()
-    loaded = load_tokenizer(args.model)
-    conversations = load_conversations(
-        args.recording, loaded.tokenizer, loaded.fingerprint, cache_root() / "replay"
-    )[: args.limit]
+    args = recording_arguments(__doc__.split("\n\n")[0]).parse_args()
+    conversations = recorded_tasks(args)
     totals = {"text": [0, 0], "text and history": [0, 0]}  # steps, emitted tokens
     history = np.array([SEPARATOR], dtype=np.int64)
     for conversation in conversations:

@@ -46,6 +46,23 @@ def test_drafting_script_builds_a_datastore_once_and_reader_reads_it(monkeypatch
         assert int(cells[3].replace(",", "")) >= 20000 and float(cells[-1]) > 1.0
 
 
+def run_on_a_recording(script: str, monkeypatch, tmp_path) -> None:
+    """Run a replay script on two copies of a short recorded conversation, with the tiny tokenizer."""
+    from tests.bench.test_replay import CONVERSATION, TURN_TEMPLATE, write_tasks
+    from tests.conftest import make_tiny_tokenizer
+
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.chat_template = TURN_TEMPLATE
+    tokenizer.save_pretrained(tmp_path / "tok")
+    write_tasks(tmp_path / "tasks.jsonl.gz", [{"messages": CONVERSATION}] * 2)
+    monkeypatch.setenv("READER_SPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    monkeypatch.setattr(
+        sys, "argv", [script, str(tmp_path / "tasks.jsonl.gz"), "--model", str(tmp_path / "tok")]
+    )
+    runpy.run_path(str(SCRIPTS / script), run_name="__main__")
+
+
 def brute_run(searched, recording, start: int, end: int, budget: int) -> int:
     """The longest run of the recording from ``start`` that follows an occurrence of the token before."""
     best = 0
@@ -69,9 +86,7 @@ def test_replay_ceiling_follows_the_best_occurrence(monkeypatch, capsys, tmp_pat
 
     import numpy as np
 
-    from tests.bench.test_replay import CONVERSATION, TURN_TEMPLATE, write_tasks
-    from tests.conftest import make_tiny_tokenizer
-
+    monkeypatch.syspath_prepend(str(SCRIPTS))  # the script imports recordings.py beside it
     best_run = runpy.run_path(str(SCRIPTS / "replay_ceiling.py"))["best_run"]
     rng = random.Random(4)
     for _ in range(300):
@@ -80,14 +95,7 @@ def test_replay_ceiling_follows_the_best_occurrence(monkeypatch, capsys, tmp_pat
         searched = recording[:start]
         expected = brute_run(searched, recording, start, len(recording), budget)
         assert best_run(searched, recording, start, len(recording), budget) == expected
-    tokenizer = make_tiny_tokenizer()
-    tokenizer.chat_template = TURN_TEMPLATE
-    tokenizer.save_pretrained(tmp_path / "tok")
-    write_tasks(tmp_path / "tasks.jsonl.gz", [{"messages": CONVERSATION}] * 2)
-    monkeypatch.setenv("READER_SPEC_CACHE", str(tmp_path / "cache"))
-    argv = ["replay_ceiling.py", str(tmp_path / "tasks.jsonl.gz"), "--model", str(tmp_path / "tok")]
-    monkeypatch.setattr(sys, "argv", argv)
-    runpy.run_path(str(SCRIPTS / "replay_ceiling.py"), run_name="__main__")
+    run_on_a_recording("replay_ceiling.py", monkeypatch, tmp_path)
     out = capsys.readouterr().out
     text_only = float(out.split("ceiling from the text: ")[1].split(" ")[0])
     with_history = float(out.split("ceiling from the text and history: ")[1].split(" ")[0])
@@ -95,17 +103,7 @@ def test_replay_ceiling_follows_the_best_occurrence(monkeypatch, capsys, tmp_pat
 
 
 def test_replay_calibration_reports_every_trial(monkeypatch, capsys, tmp_path):
-    from tests.bench.test_replay import CONVERSATION, TURN_TEMPLATE, write_tasks
-    from tests.conftest import make_tiny_tokenizer
-
-    tokenizer = make_tiny_tokenizer()
-    tokenizer.chat_template = TURN_TEMPLATE
-    tokenizer.save_pretrained(tmp_path / "tok")
-    write_tasks(tmp_path / "tasks.jsonl.gz", [{"messages": CONVERSATION}] * 2)
-    monkeypatch.setenv("READER_SPEC_CACHE", str(tmp_path / "cache"))
-    argv = ["replay_calibration.py", str(tmp_path / "tasks.jsonl.gz"), "--model", str(tmp_path / "tok")]
-    monkeypatch.setattr(sys, "argv", argv)
-    runpy.run_path(str(SCRIPTS / "replay_calibration.py"), run_name="__main__")
+    run_on_a_recording("replay_calibration.py", monkeypatch, tmp_path)
     out = capsys.readouterr().out
     trials = int(out.split(" steps, ")[1].split(" trials")[0].replace(",", ""))
     by_agreement = out.split("by sources agreeing")[1].split("by labelling source")[0]
