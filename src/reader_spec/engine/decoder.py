@@ -25,9 +25,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.activations import SiLUActivation
 
+from reader_spec.engine import kernels
 from reader_spec.engine.attention import PackedLayout, additive, packed
-from reader_spec.engine.kv_cache import RaggedKVCache
+from reader_spec.engine.kv_cache import RaggedKVCache, RaggedLayer
 from reader_spec.engine.weights import PackedLinear, pack_linears
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -107,6 +109,9 @@ class FastDecoder:
             for layer, kind in zip(core.layers, _kinds(model.config), strict=True)
         ]
         self.attend = packed(self._attention)
+        self.fused = model.device.type == "cpu" and model.dtype == torch.float32 and kernels.available()
+        """Whether the small operators between the products run as the compiled ops of
+        :mod:`reader_spec.engine.kernels` (``layer_ops.cpp``)."""
 
     def _pack_layer(self, layer: nn.Module, kind: str) -> _Layer:
         attention, mlp = layer.self_attn, layer.mlp
@@ -164,38 +169,97 @@ class FastDecoder:
     ) -> torch.Tensor:
         """Logits ``[tokens kept, vocab]`` of a packed pass; ``keep`` indexes the tokens (None: all)."""
         hidden = self.embed(input_ids)
-        masks = additive(masks, hidden.dtype)
         rotary = {
             kind: self._rotary(hidden, positions, kind) for kind in {layer.kind for layer in self.layers}
         }
+        masks = additive(masks, hidden.dtype)
         tokens = input_ids.shape[0]
+        residual = None  # what the previous block adds to ``hidden``, added together with the next norm
         for index, layer in enumerate(self.layers):
-            mask = masks[layer.kind]
-            qkv = layer.qkv(_norm(layer.input_norm, hidden))
-            query_key = self._rotate(_query_key(layer, qkv, tokens, self.head_dim), *rotary[layer.kind])
+            hidden, normed = self._add_norm(hidden, residual, layer.input_norm)
+            qkv = layer.qkv(normed)
+            query_key = _query_key(layer, qkv, tokens, self.head_dim)
             value = layer.qkv.split(qkv)[2].view(tokens, -1, self.head_dim)
-            keys, values = cache.layers[index].write(query_key[:, layer.heads :], value)
-            query = query_key[None, :, : layer.heads].transpose(1, 2)
-            options = {"scaling": self.scaling, "softcap": layer.softcap}
-            if layout is None:
-                attended, _ = self._attention(layer.attention, query, keys, values, mask, **options)
-            else:
-                attended, _ = self.attend(
-                    layer.attention, query, keys, values, mask, packed_layout=layout, **options
-                )
-            attended = layer.output(attended.reshape(tokens, -1))
-            hidden = hidden + (
-                attended if layer.attention_output_norm is None else layer.attention_output_norm(attended)
+            query = self._rotate_and_store(
+                cache.layers[index], query_key, value, layer.heads, *rotary[layer.kind]
             )
-            gate, up = layer.gate_up.split(layer.gate_up(_norm(layer.mlp_input_norm, hidden)))
-            mlp = layer.down(layer.activation(gate) * up)
-            hidden = hidden + (mlp if layer.mlp_output_norm is None else layer.mlp_output_norm(mlp))
+            attended = self._attend(layer, query, *cache.layers[index].attended(), masks, layout)
+            attended = layer.output(attended)
+            if layer.attention_output_norm is not None:
+                attended = layer.attention_output_norm(attended)
+            hidden, normed = self._add_norm(hidden, attended, layer.mlp_input_norm)
+            mlp = layer.down(self._gated(layer.activation, *layer.gate_up.split(layer.gate_up(normed))))
+            residual = mlp if layer.mlp_output_norm is None else layer.mlp_output_norm(mlp)
         if keep is not None:
-            hidden = hidden[keep]
-        logits = self.lm_head(_norm(self.norm, hidden))
+            hidden, residual = hidden[keep], residual[keep]
+        _, normed = self._add_norm(hidden, residual, self.norm)
+        logits = self.lm_head(normed)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    def _add_norm(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden + residual`` and its norm. Llama's RMSNorm (``weight * x / rms(x)``, one formula in
+        every family that has it) runs as one compiled op that adds in place, or as PyTorch's fused
+        kernel; other norms (Gemma's ``(1 + weight)``) as the model's own module."""
+        epsilon = getattr(norm, "variance_epsilon", None)
+        if epsilon is not None and self.fused:
+            normed = torch.ops.reader_spec.add_rms_norm(hidden, residual, norm.weight, epsilon)
+            return hidden, normed
+        if residual is not None:
+            hidden = hidden + residual
+        return hidden, _norm(norm, hidden)
+
+    def _gated(self, activation: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``activation(gate) * up``, as one compiled op for SiLU."""
+        if self.fused and isinstance(activation, (nn.SiLU, SiLUActivation)):
+            return torch.ops.reader_spec.silu_mul(gate, up)
+        return activation(gate) * up
+
+    def _rotate_and_store(
+        self,
+        layer_cache: RaggedLayer,
+        query_key: torch.Tensor,
+        value: torch.Tensor,
+        heads: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotated queries ``[tokens, heads, head_dim]``, the rotated keys and the values stored in the
+        cache. One compiled op where the whole head rotates, else the model's formula and the cache's
+        own write."""
+        if self.fused and cos.shape[-1] == query_key.shape[-1]:
+            rows, positions = layer_cache.destination(query_key[:, heads:], value)
+            return torch.ops.reader_spec.rotary_store(
+                query_key, value, cos[0], sin[0], layer_cache.keys, layer_cache.values, rows, positions, heads
+            )
+        query_key = self._rotate(query_key, cos, sin)
+        layer_cache.write(query_key[:, heads:], value)
+        return query_key[:, :heads]
+
+    def _attend(
+        self,
+        layer: _Layer,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        masks: dict[str, torch.Tensor],
+        layout: PackedLayout | None,
+    ) -> torch.Tensor:
+        """Attention through PyTorch's kernel or the family's eager code (``[tokens, heads x dim]``),
+        packed into groups of rows where the pass holds several."""
+        query = query[None].transpose(1, 2)
+        options = {"scaling": self.scaling, "softcap": layer.softcap}
+        mask = masks[layer.kind]
+        if layout is None:
+            attended, _ = self._attention(layer.attention, query, keys, values, mask, **options)
+        else:
+            attended, _ = self.attend(
+                layer.attention, query, keys, values, mask, packed_layout=layout, **options
+            )
+        return attended.reshape(query.shape[2], -1)
 
     def _attention(self, module, query, key, value, mask, scaling: float, softcap: float | None, **kwargs):
         """``query`` (``[rows, heads, width, dim]``) on cache rows, grouped key/value heads read in

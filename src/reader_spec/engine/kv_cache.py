@@ -19,7 +19,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
-class _RaggedLayer(CacheLayerMixin):
+class RaggedLayer(CacheLayerMixin):
     """One layer's buffers; the write window is owned by the parent cache."""
 
     is_compileable = False
@@ -46,11 +46,22 @@ class _RaggedLayer(CacheLayerMixin):
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a pass's keys and values (``[tokens, heads, head_dim]``) in place; returns views of the
         rows the pass attends to, ``[rows, heads, kv_length, head_dim]``."""
-        if not self.is_initialized:
-            self.lazy_initialization(keys.transpose(0, 1), values.transpose(0, 1))
-        span, rows, positions, kv_length = self.owner.window()
+        rows, positions = self.destination(keys, values)
         self.keys[rows, :, positions] = keys
         self.values[rows, :, positions] = values
+        return self.attended()
+
+    def destination(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache row and position of each token of the pass, the buffers allocated after ``keys``
+        and ``values`` (``[tokens, heads, head_dim]``) if need be: for a caller that writes them itself."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys.transpose(0, 1), values.transpose(0, 1))
+        _, rows, positions, _ = self.owner.window()
+        return rows, positions
+
+    def attended(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the keys and values the pass attends to, ``[rows, heads, kv_length, head_dim]``."""
+        span, _, _, kv_length = self.owner.window()
         return self.keys[span, :, :kv_length], self.values[span, :, :kv_length]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -84,7 +95,7 @@ class RaggedKVCache(Cache):
 
     def __init__(self, num_layers: int, num_rows: int, capacity: int, device: torch.device | str = "cpu"):
         super().__init__(layers=[])
-        self.layers = [_RaggedLayer(self) for _ in range(num_layers)]
+        self.layers = [RaggedLayer(self) for _ in range(num_layers)]
         self.num_rows = num_rows
         self.capacity = capacity
         self.device = torch.device(device)
