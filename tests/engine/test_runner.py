@@ -55,8 +55,9 @@ TOL = 1e-5
 
 EAGER_ONLY = {"gemma2"}  # transformers has no sdpa attention for it
 UNSUPPORTED = {("gemma2", "sdpa")}
-RUNNERS = ("fast", "sdpa", "eager", "one by one")  # the engine's decoder; transformers' forward with
-# its attention packed (sdpa, eager) or verifying one sequence per forward, as models whose
+RUNNERS = ("fast", "fast, pytorch ops", "sdpa", "eager", "one by one")  # the engine's decoder with its
+# compiled operators between products, or PyTorch's (other devices and dtypes); transformers' forward
+# with its attention packed (sdpa, eager) or verifying one sequence per forward, as models whose
 # attention cannot run packed passes do
 
 
@@ -78,14 +79,19 @@ def model(request):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
     default = "eager" if family in EAGER_ONLY else "sdpa"
-    model.set_attn_implementation(default if runner in ("one by one", "fast") else runner)
+    model.set_attn_implementation(
+        default if runner in ("one by one", "fast", "fast, pytorch ops") else runner
+    )
     return Case(model, copy.deepcopy(model), runner)
 
 
 def make_runner(case: Case, num_rows: int, capacity: int) -> ModelRunner:
-    if case.runner == "fast":
+    if case.runner.startswith("fast"):
         runner = ModelRunner(case.model, num_rows=num_rows, capacity=capacity, runner="fast")
         assert runner.name == "fast"
+        if case.runner == "fast" and not runner.decoder.fused:
+            pytest.fail("the compiled kernels must build on this machine (make builds them)")
+        runner.decoder.fused = case.runner == "fast"
         return runner
     runner = ModelRunner(case.model, num_rows=num_rows, capacity=capacity, runner="transformers")
     assert runner.packed and case.model.config._attn_implementation in (PACKED_SDPA, PACKED_EAGER)

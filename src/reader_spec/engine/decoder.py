@@ -5,10 +5,13 @@ hooks, attention interfaces and cache objects, and multiplies each projection se
 ``F.linear``. A verification pass needs none of that generality. :class:`FastDecoder` runs the same
 arithmetic on the same modules (activations, Gemma's norms, the rotary embedding, partial rotations
 and soft-capped attention come from the model's own code, so family quirks stay the family's; the
-Llama-style RMSNorm, one formula in every family that has it, is PyTorch's fused kernel) with what the
+Llama-style RMSNorm, one formula in every family that has it, is the engine's own) with what the
 engine needs: fused and packed projections (:mod:`reader_spec.engine.weights`), rotary tables
 computed once, cache rows written in place, packed attention over the batch's rows, and logits only
-where asked.
+where asked. On a CPU in float32 the operators between the products (residual add with RMSNorm, SiLU
+gating, rotary embedding with the cache write) are compiled ops (:mod:`reader_spec.engine.kernels`):
+each matrix product evicts PyTorch's code from the caches, so a chain of small operators costs far
+more there than alone.
 
 Llama and Mistral, Qwen2 and Qwen3 (per-head query/key norms), Phi-3 (already fused projections) and
 Gemma 2 and 3 (norms around attention and MLP, scaled embeddings, soft-capping, a rotary table per
