@@ -246,3 +246,22 @@ def test_an_int8_copy_of_a_packed_model_verifies_close_to_float32(family):
     with torch.no_grad():
         assert (draft(torch.tensor([tokens])).logits[0][9:] - logits).abs().max() < TOL
         assert (model(torch.tensor([tokens])).logits[0] - full_logits(case, tokens)).abs().max() < TOL
+
+
+def test_the_forward_fingerprint_changes_with_the_code_a_pass_runs(monkeypatch, tmp_path):
+    """Cost curves are cached under it: curves timed with older kernels are timed again."""
+    from reader_spec.engine import kernels
+    from reader_spec.engine.runner import forward_fingerprint
+
+    without = forward_fingerprint()
+    kernel = tmp_path / "kernel.cpp"
+    monkeypatch.setattr(kernels, "SOURCES", [*kernels.SOURCES, kernel])
+    fingerprints = []
+    try:
+        for text in ("// one version", "// another"):
+            kernel.write_text(text)
+            forward_fingerprint.cache_clear()
+            fingerprints.append(forward_fingerprint())
+    finally:
+        forward_fingerprint.cache_clear()
+    assert len({without, *fingerprints}) == 3

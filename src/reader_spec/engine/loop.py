@@ -23,7 +23,13 @@ from reader_spec.budget.costs import CostModel, cost_cache_path, load_costs
 from reader_spec.config import GenerationConfig
 from reader_spec.drafters.base import Drafter, feed_back, propose_all
 from reader_spec.engine.acceptance import rule_for
-from reader_spec.engine.runner import ModelRunner, device_description, max_context_of, synchronizer
+from reader_spec.engine.runner import (
+    ModelRunner,
+    device_description,
+    forward_fingerprint,
+    max_context_of,
+    synchronizer,
+)
 from reader_spec.engine.scheduler import Request, Scheduler
 from reader_spec.engine.sequence import Output, RequestStats
 from reader_spec.engine.sequence import Sequence as DecodingSequence
@@ -222,7 +228,8 @@ class Engine:
             runner = self.runner_name
             loaded = self.loaded
             device = device_description(self.model.device)
-            path = cost_cache_path(f"{loaded.name}|{loaded.fingerprint}|{self.model.dtype}|{device}|{runner}")
+            model_key = f"{loaded.name}|{loaded.fingerprint}|{self.model.dtype}|{device}"
+            path = cost_cache_path(f"{model_key}|{runner}|{forward_fingerprint()}")
             self._costs = CostModel(
                 load_costs(path),
                 measure=lambda batch, drafted, n: probe_verify(self.model, batch, drafted, n, runner),

@@ -11,13 +11,17 @@ transformers' forward gets additive 4D masks and the cache as a ``Cache`` object
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import itertools
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 
+from reader_spec.engine import kernels
 from reader_spec.engine.attention import PackedLayout, additive, pack, use_packed_attention, visibility
 from reader_spec.engine.decoder import FAST_FAMILIES, FastDecoder, supports
 from reader_spec.engine.kv_cache import RaggedKVCache
@@ -50,6 +54,18 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
     if device.type == "cuda":
         return lambda: torch.cuda.synchronize(device)
     return lambda: None
+
+
+@functools.cache
+def forward_fingerprint() -> str:
+    """A digest of the code every pass runs (this module, the fast decoder, the weight layouts, the
+    cache, attention and the compiled kernels): cost curves timed with other code are timed again."""
+    engine = Path(__file__).parent
+    sources = [engine / f"{name}.py" for name in ("runner", "decoder", "weights", "kv_cache", "attention")]
+    digest = hashlib.sha256()
+    for source in [*sources, *kernels.SOURCES]:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def device_description(device: torch.device) -> str:

@@ -310,13 +310,15 @@ def _compiled_wins(weight: torch.Tensor, rows: int) -> bool:
 
 def _time_kernels(weight: torch.Tensor, rounds: int = 5) -> dict[int, bool]:
     """Time both kernels at each row bucket, alternating them so that load from elsewhere hits both
-    alike; each kernel's fastest round counts."""
+    alike; each kernel's fastest round counts. Inputs come from a private generator: the first pass of
+    a process must not move the caller's random state (seeded sampling)."""
     blocked_linear = torch.ops.reader_spec.blocked_linear
     out_features = weight.shape[0] * BLOCK
+    generator = torch.Generator().manual_seed(0)
     choices = {}
     with torch.inference_mode():
         for rows in ROW_BUCKETS:
-            x = torch.randn(rows, weight.shape[1])
+            x = torch.randn(rows, weight.shape[1], generator=generator)
             kernels = (
                 functools.partial(blocked_linear, x, weight, None, out_features),
                 functools.partial(torch.matmul, x, weight),
