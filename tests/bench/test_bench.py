@@ -21,6 +21,7 @@ from reader_spec.bench.spec_bench import Question, load_questions
 from reader_spec.cli import main
 from reader_spec.config import GenerationConfig
 from reader_spec.engine.loop import Engine
+from reader_spec.engine.runner import forward_fingerprint
 from reader_spec.loading import LoadedModel, tokenizer_fingerprint
 from reader_spec.prompts import PromptError, encode_prompt
 from tests.conftest import make_tiny_llama
@@ -308,6 +309,8 @@ def test_saved_files(report, tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == names  # no temporary files left
     payload = json.loads((tmp_path / "out" / "results.json").read_text())
     assert {"cpu", "cores", "torch", "transformers", "model", "commit", "date"} <= set(payload["environment"])
+    assert payload["environment"]["compiled_kernels"] is True  # make builds them on this machine
+    assert payload["environment"]["forward"] == forward_fingerprint()
     assert len(payload["prompts"]) == TURNS * 4 and "accept_lengths" in payload["prompts"][0]
     assert {"speedup", "mean_accepted", "identical", "peak_rss_mib"} <= set(payload["summary"][0])
     assert payload["batches"][0]["tokens_per_second"] > 0

@@ -36,8 +36,9 @@ from reader_spec.bench.results import REFERENCE, BatchResult, PromptResult, mark
 from reader_spec.bench.spec_bench import Question, interleave_categories
 from reader_spec.config import SAMPLING_FIELDS, GenerationConfig
 from reader_spec.drafters.retrieval.datastore import Datastore
+from reader_spec.engine import kernels
 from reader_spec.engine.loop import DEFAULT_BUDGET
-from reader_spec.engine.runner import device_description
+from reader_spec.engine.runner import device_description, forward_fingerprint
 from reader_spec.files import write_atomic
 from reader_spec.loading import LoadedModel
 from reader_spec.prompts import encode_prompt
@@ -348,6 +349,8 @@ def environment(loaded: LoadedModel, draft: LoadedModel | None = None) -> dict:
         "draft_model": draft.name if draft is not None else None,
         "dtype": str(loaded.model.dtype),
         "device": device_description(loaded.model.device),
+        "compiled_kernels": kernels.available(),
+        "forward": forward_fingerprint(),
         "commit": _git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
