@@ -71,6 +71,8 @@ class PackedLinear(nn.Module):
         self.in_features = weight.shape[1]
         self.blocked = blocked
         self.parts = tuple(parts) or ((0, out_features),)
+        self._compiled_by_rows: dict[int, bool] = {}
+        """Whether the compiled kernel runs a product of that many rows (:func:`_compiled_wins`)."""
 
     @property
     def weight_format(self) -> str:
@@ -78,21 +80,22 @@ class PackedLinear(nn.Module):
         return "float32" if self.scales is None else "int8"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scales is not None:
-            return self._forward_int8(x)
-        if not self.blocked:
-            return nn.functional.linear(x, self.weight, self.bias)
+        if not self.blocked:  # int8 on another device or dtype: correct, not fast
+            weight = self.weight if self.scales is None else self.plain_weight()
+            return nn.functional.linear(x, weight, self.bias)
         rows = x.numel() // self.in_features
-        if _compiled_wins(self.weight, rows):
+        compiled = self._compiled_by_rows.get(rows)
+        if compiled is None:  # once per row count: a pass runs 100-200 products, each a few us of Python
+            compiled = self._compiled_by_rows[rows] = _compiled_wins(self.weight, rows)
+        if self.scales is not None:
+            return self._forward_int8(x, rows, compiled)
+        if compiled:
             return torch.ops.reader_spec.blocked_linear(x, self.weight, self.bias, self.out_features)
         flat = x.reshape(rows, self.in_features)
         return self._unblock(torch.matmul(flat, self.weight), x)
 
-    def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.blocked:  # another device or dtype: correct, not fast
-            return nn.functional.linear(x, self.plain_weight(), self.bias)
-        rows = x.numel() // self.in_features
-        if _compiled_wins(self.weight, rows):
+    def _forward_int8(self, x: torch.Tensor, rows: int, compiled: bool) -> torch.Tensor:
+        if compiled:
             return torch.ops.reader_spec.blocked_linear_int8(
                 x, self.weight, self.scales, self.bias, self.out_features
             )
