@@ -1,7 +1,8 @@
 """The project's compiled parts, built once per machine with the C++ compiler PyTorch uses.
 
-Two parts are compiled: the fast runner's CPU matrix kernel (``engine/kernels``) and the retrieval
-core that drafting's hot loops run in (``drafters/retrieval/native``). ``make`` builds both
+Two parts are compiled: the fast runner's CPU kernels (``engine/kernels``: matrix products and the
+operators between them) and the retrieval core that drafting's hot loops run in
+(``drafters/retrieval/native``). ``make`` builds both
 (``python -m reader_spec.compiled``); otherwise the first use builds each (seconds) into the cache
 directory, keyed by its sources, the PyTorch version and the CPU it was built for. Where a part
 cannot be built (no compiler), the code that uses it runs its pure Python or PyTorch path, which
