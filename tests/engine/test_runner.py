@@ -182,6 +182,26 @@ def test_ragged_batch_matches_each_sequence_alone(model, call_cost, rows, monkey
             assert (logits[b][node] - references[b][lengths[b] + depth]).abs().max() < TOL
 
 
+def test_greedy_rows_get_the_argmax_of_their_logits_beside_rows_that_get_logits(model):
+    """A pass mixing greedy and sampling requests: each greedy tree gets its nodes' argmax tokens (on
+    the fast runner through the greedy head, where the family has one), the others their logits."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, VOCAB, n).tolist() for n in (9, 14, 6, 11)]
+    runner = make_runner(model, num_rows=4, capacity=32)
+    if runner.decoder is not None:  # soft-capped logits (Gemma 2) keep the argmax of the whole layer
+        assert (runner.decoder.greedy_head is None) == (model.model.config.model_type == "gemma2")
+    for row, prompt in enumerate(prompts):
+        runner.prefill(row, prompt[:-3])
+    trees = [random_tree_on_path(p[-3:], rng)[0] for p in prompts]
+    logits = runner.verify(trees, range(4))
+    mixed = runner.verify(trees, range(4), [True, False, True, True])
+    for row in (0, 2, 3):
+        assert mixed[row].dtype == torch.long and torch.equal(mixed[row], logits[row].argmax(-1))
+    assert torch.equal(mixed[1], logits[1])
+
+
 def test_a_freed_row_serves_the_next_sequence_and_no_other_row_moves(model):
     first, second, third = list(range(5, 25)), list(range(30, 42)), list(range(3, 20))
     runner = make_runner(model, num_rows=2, capacity=32)

@@ -26,7 +26,8 @@ def probe_verify(
     model: PreTrainedModel, batch: int, drafted: Sequence[int], context: int, runner: str = "auto"
 ) -> dict[int, float]:
     """Seconds of a packed verification pass of ``batch`` chains holding each total of draft tokens
-    (spread evenly), after ``context`` tokens in every row, on the given runner."""
+    (spread evenly), after ``context`` tokens in every row, on the given runner: greedy passes (what
+    most requests run; a sampling pass also computes its rows' whole output layer)."""
     most = max(drafted)
     positions = max_context_of(model.config)
     if positions is not None:  # a model with few positions (GPT-2: 1,024) is probed at its longest
@@ -45,7 +46,7 @@ def probe_verify(
     def verify(total: int) -> Callable[[], object]:
         trees = [chain(1 + total // batch + (row < total % batch)) for row in range(batch)]
         rows = list(range(batch))
-        return lambda: probe.verify(trees, rows)
+        return lambda: probe.verify(trees, rows, [True] * batch)
 
     calls = {total: verify(total) for total in drafted}
     return time_interleaved(calls, synchronize=synchronizer(model.device))

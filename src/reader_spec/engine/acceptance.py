@@ -2,7 +2,9 @@
 
 Every rule has the same shape: at a tree node, pick the token the target model emits there; if a
 child carries it, descend; otherwise stop and emit the picked token as the bonus. The rule only
-decides how a token is picked from the node's logits, so greedy decoding and sampling share the loop.
+decides how a token is picked at a node, so greedy decoding and sampling share the loop. A greedy
+rule is given the model's argmax tokens instead of logits (``greedy``): the runner finds them
+without the whole output layer.
 Because drafters propose deterministic tokens, this walk is exact for any tree: the emitted tokens
 are the ones plain decoding would pick.
 """
@@ -21,19 +23,25 @@ from reader_spec.engine.tree import DraftTree
 
 
 class AcceptanceRule(Protocol):
-    def select(self, tree: DraftTree, logits: torch.Tensor, history: Sequence[int]) -> tuple[list[int], int]:
+    greedy: bool
+    """Whether :meth:`select` takes the model's argmax token at each node instead of its logits."""
+
+    def select(self, tree: DraftTree, scores: torch.Tensor, history: Sequence[int]) -> tuple[list[int], int]:
         """Accepted node indices (root first) and the bonus token.
 
-        ``logits[i]`` are the target model's logits after the path to node i; ``history`` is the
-        request's text up to and including the root token.
+        ``scores[i]`` is what the target model gives after the path to node i: its logits, or its
+        argmax token where the rule is ``greedy``; ``history`` is the request's text up to and
+        including the root token.
         """
 
 
 class GreedyRule:
     """Exactly plain greedy decoding: the model's argmax at every node."""
 
-    def select(self, tree: DraftTree, logits: torch.Tensor, history: Sequence[int]) -> tuple[list[int], int]:
-        best = logits.argmax(dim=-1).tolist()
+    greedy = True
+
+    def select(self, tree: DraftTree, scores: torch.Tensor, history: Sequence[int]) -> tuple[list[int], int]:
+        best = scores.tolist()
         return tree.walk(best.__getitem__)
 
 
@@ -43,6 +51,8 @@ class SamplingRule:
     The token at absolute position t is ``pick(logits, config, seed, t, seen)``, where ``seen`` holds
     the node's own context (the request's text and the node's ancestors, never its siblings).
     """
+
+    greedy = False
 
     def __init__(self, config: GenerationConfig, seed: int):
         self.config = config

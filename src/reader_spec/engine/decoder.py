@@ -32,6 +32,7 @@ from transformers.activations import SiLUActivation
 
 from reader_spec.engine import kernels
 from reader_spec.engine.attention import PackedLayout, additive, packed
+from reader_spec.engine.greedy_head import GreedyHead
 from reader_spec.engine.kv_cache import RaggedKVCache, RaggedLayer
 from reader_spec.engine.weights import PackedLinear, pack_linears
 
@@ -115,6 +116,10 @@ class FastDecoder:
         self.fused = model.device.type == "cpu" and model.dtype == torch.float32 and kernels.available()
         """Whether the small operators between the products run as the compiled ops of
         :mod:`reader_spec.engine.kernels` (``layer_ops.cpp``)."""
+        # Soft-capping can map distinct logits to one float and change which is first among equals.
+        exact_argmax = self.final_softcap is None and GreedyHead.applies(self.lm_head)
+        self.greedy_head = GreedyHead(self.lm_head) if exact_argmax else None
+        """Greedy tokens without the whole float32 output layer (:mod:`reader_spec.engine.greedy_head`)."""
 
     def _pack_layer(self, layer: nn.Module, kind: str) -> _Layer:
         attention, mlp = layer.self_attn, layer.mlp
@@ -170,7 +175,8 @@ class FastDecoder:
         layout: PackedLayout | None,
         keep: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Logits ``[tokens kept, vocab]`` of a packed pass; ``keep`` indexes the tokens (None: all)."""
+        """The final (normed) hidden states ``[tokens kept, hidden]`` of a packed pass; ``keep`` indexes
+        the tokens (None: all). :meth:`logits` or :meth:`greedy_tokens` then runs the output layer."""
         hidden = self.embed(input_ids)
         rotary = {
             kind: self._rotary(hidden, positions, kind) for kind in {layer.kind for layer in self.layers}
@@ -195,11 +201,20 @@ class FastDecoder:
             residual = mlp if layer.mlp_output_norm is None else layer.mlp_output_norm(mlp)
         if keep is not None:
             hidden, residual = hidden[keep], residual[keep]
-        _, normed = self._add_norm(hidden, residual, self.norm)
+        return self._add_norm(hidden, residual, self.norm)[1]
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The output layer: ``[rows, vocab]`` logits of final hidden states."""
         logits = self.lm_head(normed)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    def greedy_tokens(self, normed: torch.Tensor) -> torch.Tensor:
+        """``logits(normed).argmax(-1)``, through the :class:`GreedyHead` where there is one."""
+        if self.greedy_head is not None:
+            return self.greedy_head(normed)
+        return self.logits(normed).argmax(-1)
 
     def _add_norm(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module

@@ -248,11 +248,11 @@ class Engine:
         """One verification pass over every sequence of the batch."""
         drafts = self._draft(runner, batch)
         started = time.perf_counter()
-        logits = runner.verify(drafts.trees, [s.row for s in batch])
+        scores = runner.verify(drafts.trees, [s.row for s in batch], [s.rule.greedy for s in batch])
         self._synchronize()
         verify_seconds = time.perf_counter() - started
-        for seq, proposal, tree, scores in zip(batch, drafts.proposals, drafts.trees, logits, strict=True):
-            self._accept(runner, seq, proposal, tree, scores)
+        for seq, proposal, tree, node_scores in zip(batch, drafts.proposals, drafts.trees, scores, strict=True):
+            self._accept(runner, seq, proposal, tree, node_scores)
             seq.stats.draft_seconds += drafts.seconds
             seq.stats.verify_seconds += verify_seconds
 
@@ -275,10 +275,10 @@ class Engine:
         return _Drafts(proposals, trees, time.perf_counter() - started)
 
     def _accept(
-        self, runner: ModelRunner, seq: DecodingSequence, proposal: Proposal, tree: DraftTree, logits
+        self, runner: ModelRunner, seq: DecodingSequence, proposal: Proposal, tree: DraftTree, scores
     ) -> None:
         """Walk the tree with the request's acceptance rule, keep what the limits allow, commit it."""
-        path, bonus = seq.rule.select(tree, logits, seq.tokens)
+        path, bonus = seq.rule.select(tree, scores, seq.tokens)
         emitted = [tree.tokens[node] for node in path[1:]] + [bonus]
         kept, seq.finish_reason = seq.stop.clip(seq.generated, emitted)
         runner.cache.commit(seq.row, path)

@@ -58,10 +58,10 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
 
 @functools.cache
 def forward_fingerprint() -> str:
-    """A digest of the code every pass runs (this module, the fast decoder, the weight layouts, the
-    cache, attention and the compiled kernels): cost curves timed with other code are timed again."""
+    """A digest of the code every pass runs (this module, the fast decoder and its greedy head, the
+    weight layouts, the cache, attention and the compiled kernels): cost curves timed with other code are timed again."""
     engine = Path(__file__).parent
-    sources = [engine / f"{name}.py" for name in ("runner", "decoder", "weights", "kv_cache", "attention")]
+    sources = [engine / f"{name}.py" for name in ("runner", "decoder", "greedy_head", "weights", "kv_cache", "attention")]
     digest = hashlib.sha256()
     for source in [*sources, *kernels.SOURCES]:
         digest.update(source.read_bytes())
@@ -118,22 +118,29 @@ class ModelRunner:
         return "fast" if self.decoder is not None else "transformers"
 
     @torch.inference_mode()
-    def verify(self, trees: Sequence[DraftTree], rows: Sequence[int]) -> list[torch.Tensor]:
+    def verify(
+        self, trees: Sequence[DraftTree], rows: Sequence[int], greedy: Sequence[bool] | None = None
+    ) -> list[torch.Tensor]:
         """One forward over one tree per cache row (``rows`` ascending, ``trees[i]`` in ``rows[i]``);
-        returns each tree's logits.
+        returns each tree's logits ``[nodes, vocab]``, or where ``greedy[i]``, the model's argmax token
+        at each node (``[nodes]``, long): all greedy decoding needs, and cheaper to find
+        (:mod:`reader_spec.engine.greedy_head`).
 
         Everything is written past each row's committed length; the caller then commits the
         accepted nodes with ``cache.commit``.
         """
+        greedy = list(greedy) if greedy is not None else [False] * len(trees)
         if len(trees) > 1 and not self.packed:
-            return [self._verify([tree], [row])[0] for tree, row in zip(trees, rows, strict=True)]
-        return self._verify(trees, list(rows))
+            return [
+                self._verify([tree], [row], [flag])[0] for tree, row, flag in zip(trees, rows, greedy, strict=True)
+            ]
+        return self._verify(trees, list(rows), greedy)
 
-    def _verify(self, trees: Sequence[DraftTree], rows: list[int]) -> list[torch.Tensor]:
+    def _verify(self, trees: Sequence[DraftTree], rows: list[int], greedy: list[bool]) -> list[torch.Tensor]:
         lengths = self.cache.lengths[rows]
         tokens = [tree.tokens for tree in trees]
         positions = [lengths[b] + torch.tensor(tree.depths) for b, tree in enumerate(trees)]
-        return self.extend(rows, tokens, positions, [t.ancestor_mask() for t in trees])
+        return self.extend(rows, tokens, positions, [t.ancestor_mask() for t in trees], greedy=greedy)
 
     @torch.inference_mode()
     def extend(
@@ -143,9 +150,11 @@ class ModelRunner:
         positions: Sequence[torch.Tensor],
         local_masks: Sequence[torch.Tensor],
         last_only: bool = False,
+        greedy: Sequence[bool] | None = None,
     ) -> list[torch.Tensor]:
         """One packed pass of new tokens per cache row (``rows`` ascending), written past each row's
-        committed length; returns each row's logits (its last token's only with ``last_only``).
+        committed length; returns each row's logits (its last token's only with ``last_only``), or
+        its argmax tokens where ``greedy[i]``.
 
         ``local_masks[i]`` is ``[new, earlier + new]``: what each new token sees among the row's last
         ``earlier`` committed tokens and the new ones (:func:`visibility`); everything before is context.
@@ -153,8 +162,26 @@ class ModelRunner:
         widths = [len(t) for t in tokens]
         input_ids = torch.tensor([token for row_tokens in tokens for token in row_tokens])
         keep = torch.tensor(list(itertools.accumulate(widths))) - 1 if last_only else None
-        logits = self._forward(rows, input_ids, torch.cat(list(positions)), local_masks, keep)
-        return list(logits.split([1] * len(rows) if last_only else widths))
+        states = self._forward(rows, input_ids, torch.cat(list(positions)), local_masks, keep)
+        kept = [1] * len(rows) if last_only else widths
+        return self._outputs(states, kept, list(greedy) if greedy is not None else [False] * len(rows))
+
+    def _outputs(self, states: torch.Tensor, kept: list[int], greedy: list[bool]) -> list[torch.Tensor]:
+        """Each row's logits, or its argmax tokens where ``greedy``: ``states`` are the fast decoder's
+        final hidden states (its output layer runs here, once for each kind of row) or transformers'
+        logits."""
+        if self.decoder is not None:
+            heads = {False: lambda s: self.decoder.logits(s).float(), True: self.decoder.greedy_tokens}
+        else:
+            heads = {False: lambda s: s, True: lambda s: s.argmax(-1)}
+        parts = states.split(kept)
+        outputs: dict[int, torch.Tensor] = {}
+        for flag, head in heads.items():
+            chosen = [i for i, wanted in enumerate(greedy) if wanted == flag]
+            if chosen:
+                results = head(torch.cat([parts[i] for i in chosen])).split([kept[i] for i in chosen])
+                outputs.update(zip(chosen, results, strict=True))
+        return [outputs[i] for i in range(len(parts))]
 
     @torch.inference_mode()
     def prefill(self, row: int, tokens: Sequence[int]) -> None:
@@ -172,7 +199,8 @@ class ModelRunner:
         self, rows: list[int], input_ids, positions, local_masks, keep: torch.Tensor | None
     ) -> torch.Tensor:
         """Run packed tokens (``[total]``) whose cache row ``rows[i]`` owns ``len(local_masks[i])``;
-        returns the logits of the tokens ``keep`` indexes (None: all)."""
+        returns, for the tokens ``keep`` indexes (None: all), the fast decoder's final hidden states or
+        transformers' logits (:meth:`_outputs` takes either)."""
         widths = [local.shape[0] for local in local_masks]
         lengths = self.cache.lengths[rows]
         kv_length = self.cache.set_window(rows, widths)
@@ -184,8 +212,7 @@ class ModelRunner:
         if self.decoder is not None:
             masks = {name: m.to(device) for name, m in masks.items()}
             keep = None if keep is None else keep.to(device)
-            logits = self.decoder(input_ids.to(device), positions.to(device), masks, self.cache, layout, keep)
-            return logits.float()
+            return self.decoder(input_ids.to(device), positions.to(device), masks, self.cache, layout, keep)
         masks = {name: m.to(device) for name, m in additive(masks, self.dtype).items()}
         try:
             out = self.model(

@@ -171,9 +171,9 @@ def pack_linears(
             biases.append(torch.cat([bias, bias.new_zeros(room - size)]))
         matrix = weight
         if quantize:
-            matrix, scale = _quantize(weight)
+            matrix, scale = quantize_int8(weight)
             scales.append(torch.cat([scale, scale.new_zeros(room - size)]))
-        matrices.append(_to_blocks(matrix, room) if blocked else matrix)
+        matrices.append(to_blocks(matrix, room) if blocked else matrix)
         if blocked or quantize:
             release_file_pages(weight)
         del module.weight, weight, matrix
@@ -215,7 +215,7 @@ def _plain_of(module: nn.Linear | PackedLinear) -> torch.Tensor:
     return module.weight.detach()
 
 
-def _quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output row: ``weight ≈ q * scales[:, None]``, ``scales = max |row| / 127``
     in the weight's dtype (q is rounded against that scale, so it is the one that dequantizes)."""
     values = weight.float()
@@ -233,7 +233,7 @@ def _round_up(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
 
 
-def _to_blocks(weight: torch.Tensor, rows: int) -> torch.Tensor:
+def to_blocks(weight: torch.Tensor, rows: int) -> torch.Tensor:
     """``[rows / 32, in, 32]``, the matrix padded with zero rows to ``rows``."""
     out_features, in_features = weight.shape
     if rows != out_features:

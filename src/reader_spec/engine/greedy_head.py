@@ -1,0 +1,77 @@
+"""The output layer's argmax for greedy requests, without reading the whole float32 matrix.
+
+Greedy decoding needs one thing from a pass's output layer: the token with the largest logit. That
+layer is the largest matrix of a small model (49,152 x 576 in SmolLM2-135M, a fifth of its weights),
+and a pass of a few tokens costs what reading it costs. :class:`GreedyHead` keeps an int8 copy of the
+matrix (a quarter of the bytes) and, per column, a bound on how far the int8 logit can be from the
+float32 one; float32 logits are then computed only for the columns that can still be the largest (a
+handful on real text), by the same compiled tile as the full product. The token is the full
+product's argmax bit for bit, ties included (the first of equal maxima, as ``torch.argmax``), so
+greedy outputs do not change.
+
+The bound. For column j with float32 weights ``W_j``, int8 copy ``q_j`` and scale ``s_j`` (quantization
+error ``e_j = W_j - s_j q_j``), and a hidden state ``h`` of K features, the float32 logit and the int8
+one each differ from their exact dot product by at most ``γ |h| |W_j|`` and ``γ |h| |s_j q_j|``
+(rounding of a K-term dot product in any order, ``γ = (K + 1) u / (1 - (K + 1) u)``, ``u = 2^-24``), and
+the two dot products by at most ``|h| |e_j|`` (Cauchy-Schwarz). ``slack_j`` is their sum with 5% and
+``16 u (|W_j| + |s_j q_j|)`` to spare for the rounding of the comparison itself (float32, at most 4
+roundings of terms below ``|h| (|W_j| + |s_j q_j|)``), rounded up to float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reader_spec.engine import kernels
+from reader_spec.engine.weights import BLOCK, PackedLinear, quantize_int8, to_blocks
+
+UNIT_ROUNDOFF = 2.0**-24
+SLACK_ROWS = 4096
+"""Columns whose bound is computed at a time (float64): bounds the memory packing takes."""
+
+
+class GreedyHead:
+    """``argmax(head(hidden), -1)`` for a float32 output layer, reading an int8 copy and a few columns."""
+
+    def __init__(self, head: PackedLinear):
+        self.head = head
+        stored = head.weight.shape[0] * BLOCK
+        plain = head.plain_weight()
+        quantized, scales = quantize_int8(plain)
+        self.slack = _slack(plain, quantized, scales, stored)
+        del plain
+        self.quantized = to_blocks(quantized, stored)
+        self.scales = torch.cat([scales, scales.new_zeros(stored - scales.numel())])
+
+    @staticmethod
+    def applies(head: PackedLinear) -> bool:
+        """Whether this head can run it: float32 in column blocks, no bias, the compiled kernels built."""
+        return head.blocked and head.scales is None and head.bias is None and kernels.available()
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax token of each row of ``hidden`` (``[rows, in]``): ``[rows]``, long."""
+        tokens = torch.ops.reader_spec.greedy_tokens(
+            hidden, self.head.weight, self.quantized, self.scales, self.slack, self.head.out_features
+        )
+        unbounded = tokens < 0  # a row with inf or NaN: its bound says nothing, take the full product
+        if unbounded.any():
+            tokens[unbounded] = self.head(hidden[unbounded]).argmax(-1)
+        return tokens
+
+
+def _slack(plain: torch.Tensor, quantized: torch.Tensor, scales: torch.Tensor, stored: int) -> torch.Tensor:
+    """Each column's bound per unit of ``|h|`` (see the module's docstring), ``stored`` long (zero past
+    the matrix: padding columns are never candidates, their logits are not computed)."""
+    features = plain.shape[1]
+    gamma = (features + 1) * UNIT_ROUNDOFF / (1 - (features + 1) * UNIT_ROUNDOFF)
+    slack = torch.zeros(stored, dtype=torch.float64)
+    columns = plain.shape[0]
+    for start in range(0, columns, SLACK_ROWS):
+        rows = slice(start, min(start + SLACK_ROWS, columns))
+        exact = plain[rows].double()
+        approx = quantized[rows].double() * scales[rows].double()[:, None]
+        norms = exact.norm(dim=1) + approx.norm(dim=1)
+        error = (exact - approx).norm(dim=1)
+        slack[rows] = 1.05 * (error + gamma * norms) + 16 * UNIT_ROUNDOFF * norms
+    rounded = slack.float()
+    return torch.where(rounded.double() < slack, torch.nextafter(rounded, torch.tensor(torch.inf)), rounded)
