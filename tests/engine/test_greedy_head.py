@@ -40,7 +40,7 @@ def test_equal_columns_give_the_first_index_and_near_equal_ones_the_larger():
     weight = torch.randn(300, 64) * 0.05
     hidden = torch.randn(4, 64)
     best = int(full_argmax(*head_of(weight)[:1], hidden)[0])
-    weight[[17, 250]] = weight[best] * 1.5  # two copies of a winning column: a tie, far below int8's resolution
+    weight[[17, 250]] = weight[best] * 1.5  # two copies of a winning column: a tie int8 cannot resolve
     head, greedy = head_of(weight)
     assert torch.equal(greedy(hidden[:1]), torch.tensor([17]))
     # Columns one float32 step apart at one weight: the int8 copy cannot tell them apart, the product can.

@@ -11,8 +11,9 @@ greedy outputs do not change.
 
 The bound. For column j with float32 weights ``W_j``, int8 copy ``q_j`` and scale ``s_j`` (quantization
 error ``e_j = W_j - s_j q_j``), and a hidden state ``h`` of K features, the float32 logit and the int8
-one each differ from their exact dot product by at most ``γ |h| |W_j|`` and ``γ |h| |s_j q_j|``
-(rounding of a K-term dot product in any order, ``γ = (K + 1) u / (1 - (K + 1) u)``, ``u = 2^-24``), and
+one each differ from their exact dot product by at most ``gamma |h| |W_j|`` and ``gamma |h| |s_j q_j|``
+(rounding of a K-term dot product in any order, ``gamma = (K + 1) u / (1 - (K + 1) u)``, ``u = 2^-24``),
+and
 the two dot products by at most ``|h| |e_j|`` (Cauchy-Schwarz). ``slack_j`` is their sum with 5% and
 ``16 u (|W_j| + |s_j q_j|)`` to spare for the rounding of the comparison itself (float32, at most 4
 roundings of terms below ``|h| (|W_j| + |s_j q_j|)``), rounded up to float32.

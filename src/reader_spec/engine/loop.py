@@ -251,7 +251,9 @@ class Engine:
         scores = runner.verify(drafts.trees, [s.row for s in batch], [s.rule.greedy for s in batch])
         self._synchronize()
         verify_seconds = time.perf_counter() - started
-        for seq, proposal, tree, node_scores in zip(batch, drafts.proposals, drafts.trees, scores, strict=True):
+        for seq, proposal, tree, node_scores in zip(
+            batch, drafts.proposals, drafts.trees, scores, strict=True
+        ):
             self._accept(runner, seq, proposal, tree, node_scores)
             seq.stats.draft_seconds += drafts.seconds
             seq.stats.verify_seconds += verify_seconds

@@ -59,9 +59,13 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
 @functools.cache
 def forward_fingerprint() -> str:
     """A digest of the code every pass runs (this module, the fast decoder and its greedy head, the
-    weight layouts, the cache, attention and the compiled kernels): cost curves timed with other code are timed again."""
+    weight layouts, the cache, attention and the compiled kernels): cost curves timed with other code
+    are timed again."""
     engine = Path(__file__).parent
-    sources = [engine / f"{name}.py" for name in ("runner", "decoder", "greedy_head", "weights", "kv_cache", "attention")]
+    sources = [
+        engine / f"{name}.py"
+        for name in ("runner", "decoder", "greedy_head", "weights", "kv_cache", "attention")
+    ]
     digest = hashlib.sha256()
     for source in [*sources, *kernels.SOURCES]:
         digest.update(source.read_bytes())
@@ -132,7 +136,8 @@ class ModelRunner:
         greedy = list(greedy) if greedy is not None else [False] * len(trees)
         if len(trees) > 1 and not self.packed:
             return [
-                self._verify([tree], [row], [flag])[0] for tree, row, flag in zip(trees, rows, greedy, strict=True)
+                self._verify([tree], [row], [flag])[0]
+                for tree, row, flag in zip(trees, rows, greedy, strict=True)
             ]
         return self._verify(trees, list(rows), greedy)
 
