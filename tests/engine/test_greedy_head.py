@@ -5,7 +5,7 @@ import torch
 
 from reader_spec.engine import kernels
 from reader_spec.engine.greedy_head import GreedyHead
-from reader_spec.engine.weights import pack_linears
+from reader_spec.engine.weights import ROW_BUCKETS, pack_linears
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -14,11 +14,15 @@ def built():
         pytest.fail("the compiled kernels must build on this machine (make builds them)")
 
 
-def head_of(weight: torch.Tensor):
+def head_of(weight: torch.Tensor, bounded: bool = True):
+    """The packed layer and its greedy head, made to take the bounded int8 path at every row count
+    where it may (``bounded``), whichever the timing would pick, or never."""
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     linear.weight.data = weight.clone()
     head, _ = pack_linears([linear])
-    return head, GreedyHead(head)
+    greedy = GreedyHead(head)
+    greedy._wins_by_bucket = dict.fromkeys(ROW_BUCKETS, bounded)
+    return head, greedy
 
 
 def full_argmax(head, hidden: torch.Tensor) -> torch.Tensor:
@@ -26,11 +30,13 @@ def full_argmax(head, hidden: torch.Tensor) -> torch.Tensor:
     return torch.ops.reader_spec.blocked_linear(hidden, head.weight, None, head.out_features).argmax(-1)
 
 
+@pytest.mark.parametrize("bounded", [True, False])
 @pytest.mark.parametrize("shape", [(1000, 64), (4100, 576), (37, 40)])  # vocabularies not a multiple of 32
-def test_the_token_is_the_full_products_argmax_at_every_row_count(shape):
+def test_the_token_is_the_full_products_argmax_at_every_row_count(shape, bounded):
+    """Beyond the last row bucket (80 rows), and where the timing picks it, the whole layer runs."""
     torch.manual_seed(0)
-    head, greedy = head_of(torch.randn(shape) * 0.05)
-    for rows in (1, 2, 3, 7, 8, 9, 16, 33):
+    head, greedy = head_of(torch.randn(shape) * 0.05, bounded)
+    for rows in (1, 2, 3, 7, 8, 9, 16, 33, 80):
         hidden = torch.randn(rows, shape[1]) * 3
         assert torch.equal(greedy(hidden), full_argmax(head, hidden))
 

@@ -7,7 +7,8 @@ matrix (a quarter of the bytes) and, per column, a bound on how far the int8 log
 float32 one; float32 logits are then computed only for the columns that can still be the largest (a
 handful on real text), by the same compiled tile as the full product. The token is the full
 product's argmax bit for bit, ties included (the first of equal maxima, as ``torch.argmax``), so
-greedy outputs do not change.
+greedy outputs do not change. At many rows (a large batch) the int8 product is no longer cheaper
+than the float32 one; which of the two runs is timed once per row bucket, as the kernels are.
 
 The bound. For column j with float32 weights ``W_j``, int8 copy ``q_j`` and scale ``s_j`` (quantization
 error ``e_j = W_j - s_j q_j``), and a hidden state ``h`` of K features, the float32 logit and the int8
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from reader_spec.engine import kernels
-from reader_spec.engine.weights import BLOCK, PackedLinear, quantize_int8, to_blocks
+from reader_spec.engine.weights import BLOCK, ROW_BUCKETS, PackedLinear, fastest, quantize_int8, to_blocks
 
 UNIT_ROUNDOFF = 2.0**-24
 SLACK_ROWS = 4096
@@ -43,6 +44,8 @@ class GreedyHead:
         del plain
         self.quantized = to_blocks(quantized, stored)
         self.scales = torch.cat([scales, scales.new_zeros(stored - scales.numel())])
+        self._wins_by_bucket: dict[int, bool] = {}
+        """Whether the int8 copy beats the whole float32 layer at that row bucket (timed once)."""
 
     @staticmethod
     def applies(head: PackedLinear) -> bool:
@@ -51,13 +54,31 @@ class GreedyHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """The argmax token of each row of ``hidden`` (``[rows, in]``): ``[rows]``, long."""
-        tokens = torch.ops.reader_spec.greedy_tokens(
-            hidden, self.head.weight, self.quantized, self.scales, self.slack, self.head.out_features
-        )
+        if not self._wins(hidden.shape[0]):
+            return self.head(hidden).argmax(-1)
+        tokens = self._bounded(hidden)
         unbounded = tokens < 0  # a row with inf or NaN: its bound says nothing, take the full product
         if unbounded.any():
             tokens[unbounded] = self.head(hidden[unbounded]).argmax(-1)
         return tokens
+
+    def _bounded(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.ops.reader_spec.greedy_tokens(
+            hidden, self.head.weight, self.quantized, self.scales, self.slack, self.head.out_features
+        )
+
+    def _wins(self, rows: int) -> bool:
+        bucket = next((b for b in ROW_BUCKETS if b >= rows), None)
+        if bucket is None:
+            return False
+        wins = self._wins_by_bucket.get(bucket)
+        if wins is None:
+            generator = torch.Generator().manual_seed(0)  # not the caller's random state
+            hidden = torch.randn(bucket, self.head.in_features, generator=generator)
+            with torch.inference_mode():
+                wins = fastest([lambda: self._bounded(hidden), lambda: self.head(hidden).argmax(-1)]) == 0
+            self._wins_by_bucket[bucket] = wins
+        return wins
 
 
 def _slack(plain: torch.Tensor, quantized: torch.Tensor, scales: torch.Tensor, stored: int) -> torch.Tensor:

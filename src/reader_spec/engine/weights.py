@@ -29,7 +29,7 @@ import itertools
 import mmap
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -311,10 +311,9 @@ def _compiled_wins(weight: torch.Tensor, rows: int) -> bool:
     return choices.get(bucket, False)
 
 
-def _time_kernels(weight: torch.Tensor, rounds: int = 5) -> dict[int, bool]:
-    """Time both kernels at each row bucket, alternating them so that load from elsewhere hits both
-    alike; each kernel's fastest round counts. Inputs come from a private generator: the first pass of
-    a process must not move the caller's random state (seeded sampling)."""
+def _time_kernels(weight: torch.Tensor) -> dict[int, bool]:
+    """Whether the compiled kernel is the faster at each row bucket. Inputs come from a private
+    generator: the first pass of a process must not move the caller's random state (seeded sampling)."""
     blocked_linear = torch.ops.reader_spec.blocked_linear
     out_features = weight.shape[0] * BLOCK
     generator = torch.Generator().manual_seed(0)
@@ -322,15 +321,18 @@ def _time_kernels(weight: torch.Tensor, rounds: int = 5) -> dict[int, bool]:
     with torch.inference_mode():
         for rows in ROW_BUCKETS:
             x = torch.randn(rows, weight.shape[1], generator=generator)
-            kernels = (
-                functools.partial(blocked_linear, x, weight, None, out_features),
-                functools.partial(torch.matmul, x, weight),
-            )
-            best = [float("inf")] * len(kernels)
-            for _ in range(rounds):
-                for i, kernel in enumerate(kernels):
-                    start = time.perf_counter()
-                    kernel()
-                    best[i] = min(best[i], time.perf_counter() - start)
-            choices[rows] = best[0] <= best[1]
+            compiled = functools.partial(blocked_linear, x, weight, None, out_features)
+            choices[rows] = fastest([compiled, functools.partial(torch.matmul, x, weight)]) == 0
     return choices
+
+
+def fastest(calls: Sequence[Callable[[], object]], rounds: int = 5) -> int:
+    """Index of the fastest call (the first among equals). Calls alternate, so that load from elsewhere
+    hits them alike, and each call's fastest round counts."""
+    best = [float("inf")] * len(calls)
+    for _ in range(rounds):
+        for i, call in enumerate(calls):
+            start = time.perf_counter()
+            call()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best.index(min(best))
