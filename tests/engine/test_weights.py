@@ -85,29 +85,6 @@ def test_packed_linear_is_what_the_model_holds_after_packing():
     assert not linears and len(packed) == 1 + 7 * model.config.num_hidden_layers
 
 
-def _resident_file_kib() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("RssFile"))
-
-
-@pytest.mark.skipif(not weights.sys.platform.startswith("linux"), reason="reads /proc/self")
-def test_a_copied_weight_mapped_from_a_file_leaves_memory_and_keeps_its_values(tmp_path):
-    values = torch.arange(8 * 2**20, dtype=torch.float32)  # 32 MiB
-    values.numpy().tofile(tmp_path / "weight.bin")
-    mapped = torch.from_file(str(tmp_path / "weight.bin"), shared=False, size=values.numel())
-    assert torch.equal(mapped, values)  # every page read: resident
-    before = _resident_file_kib()
-    weights.release_file_pages(mapped)
-    assert before - _resident_file_kib() > 30 * 1024
-    assert torch.equal(mapped, values)  # read back from the file
-
-
-def test_weights_in_anonymous_memory_are_left_alone():
-    values = torch.arange(8 * 2**20, dtype=torch.float32)
-    weights.release_file_pages(values)
-    assert torch.equal(values, torch.arange(8 * 2**20, dtype=torch.float32))
-
-
 def test_without_a_compiler_the_runner_says_so_and_uses_pytorch(monkeypatch, caplog):
     import torch.utils.cpp_extension
 

@@ -34,7 +34,8 @@ from reader_spec.engine import kernels
 from reader_spec.engine.attention import PackedLayout, additive, packed
 from reader_spec.engine.greedy_head import GreedyHead
 from reader_spec.engine.kv_cache import RaggedKVCache, RaggedLayer
-from reader_spec.engine.weights import PackedLinear, pack_linears
+from reader_spec.engine.memory import PageArena
+from reader_spec.engine.weights import PackedLinear, pack_linears, packed_bytes
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 """``model_type`` values the fast decoder runs; the rest use transformers' forward."""
@@ -104,7 +105,10 @@ class FastDecoder:
         else:
             tied = model.lm_head.weight is core.embed_tokens.weight
             scale = getattr(core.embed_tokens, "embed_scale", None)
-        self.lm_head, _ = pack_linears([model.lm_head], weights=weights)
+        linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+        self.arena = PageArena(sum(packed_bytes(m, weights) for m in linears)) if _on_cpu(model) else None
+        """Where the packed matrices live (:mod:`reader_spec.engine.memory`)."""
+        self.lm_head, _ = pack_linears([model.lm_head], weights=weights, arena=self.arena)
         model.lm_head = self.lm_head
         if tied:
             core.embed_tokens = self.embed = _TiedEmbedding(self.lm_head, scale)
@@ -113,7 +117,7 @@ class FastDecoder:
             for layer, kind in zip(core.layers, _kinds(model.config), strict=True)
         ]
         self.attend = packed(self._attention)
-        self.fused = model.device.type == "cpu" and model.dtype == torch.float32 and kernels.available()
+        self.fused = _on_cpu(model) and kernels.available()
         """Whether the small operators between the products run as the compiled ops of
         :mod:`reader_spec.engine.kernels` (``layer_ops.cpp``)."""
         # Soft-capping can map distinct logits to one float and change which is first among equals.
@@ -128,24 +132,29 @@ class FastDecoder:
             heads = config.num_attention_heads * self.head_dim
             kv_heads = config.num_key_value_heads * self.head_dim
             qkv, _ = pack_linears(
-                [attention.qkv_proj], parts=(heads, kv_heads, kv_heads), weights=self.weights
+                [attention.qkv_proj],
+                parts=(heads, kv_heads, kv_heads),
+                weights=self.weights,
+                arena=self.arena,
             )
             attention.qkv_proj = qkv
         else:
             qkv, views = pack_linears(
-                [attention.q_proj, attention.k_proj, attention.v_proj], weights=self.weights
+                [attention.q_proj, attention.k_proj, attention.v_proj], weights=self.weights, arena=self.arena
             )
             attention.q_proj, attention.k_proj, attention.v_proj = views
-        attention.o_proj, _ = pack_linears([attention.o_proj], weights=self.weights)
+        attention.o_proj, _ = pack_linears([attention.o_proj], weights=self.weights, arena=self.arena)
         if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate and up are one matrix too
             half = mlp.gate_up_proj.out_features // 2  # nn.Linear's or, packed before, PackedLinear's
-            gate_up, _ = pack_linears([mlp.gate_up_proj], parts=(half, half), weights=self.weights)
+            gate_up, _ = pack_linears(
+                [mlp.gate_up_proj], parts=(half, half), weights=self.weights, arena=self.arena
+            )
             mlp.gate_up_proj = gate_up
         else:
             gate_up, (mlp.gate_proj, mlp.up_proj) = pack_linears(
-                [mlp.gate_proj, mlp.up_proj], weights=self.weights
+                [mlp.gate_proj, mlp.up_proj], weights=self.weights, arena=self.arena
             )
-        mlp.down_proj, _ = pack_linears([mlp.down_proj], weights=self.weights)
+        mlp.down_proj, _ = pack_linears([mlp.down_proj], weights=self.weights, arena=self.arena)
         gemma = hasattr(layer, "pre_feedforward_layernorm")
         return _Layer(
             input_norm=layer.input_layernorm,
@@ -319,6 +328,11 @@ class FastDecoder:
             )
         cos, sin = table
         return cos[:, positions], sin[:, positions]
+
+
+def _on_cpu(model: PreTrainedModel) -> bool:
+    """Where the blocked layout and the compiled kernels run: a CPU, in float32."""
+    return model.device.type == "cpu" and model.dtype == torch.float32
 
 
 def _query_key(layer: _Layer, qkv: torch.Tensor, tokens: int, head_dim: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from reader_spec.engine import kernels
+from reader_spec.engine.memory import PageArena
 from reader_spec.engine.weights import BLOCK, ROW_BUCKETS, PackedLinear, fastest, quantize_int8, to_blocks
 
 UNIT_ROUNDOFF = 2.0**-24
@@ -42,7 +43,7 @@ class GreedyHead:
         quantized, scales = quantize_int8(plain)
         self.slack = _slack(plain, quantized, scales, stored)
         del plain
-        self.quantized = to_blocks(quantized, stored)
+        self.quantized = to_blocks(quantized, stored, PageArena(quantized.numel()))
         self.scales = torch.cat([scales, scales.new_zeros(stored - scales.numel())])
         self._wins_by_bucket: dict[int, bool] = {}
         """Whether the int8 copy beats the whole float32 layer at that row bucket (timed once)."""

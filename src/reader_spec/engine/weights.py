@@ -23,11 +23,8 @@ becomes a view of its rows.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
-import mmap
-import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,6 +32,7 @@ import torch
 from torch import nn
 
 from reader_spec.engine import kernels
+from reader_spec.engine.memory import PageArena, release_file_pages
 
 BLOCK = kernels.BLOCK
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -147,14 +145,18 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(
-    modules: Sequence[nn.Linear | PackedLinear], parts: Sequence[int] = (), weights: str = "float32"
+    modules: Sequence[nn.Linear | PackedLinear],
+    parts: Sequence[int] = (),
+    weights: str = "float32",
+    arena: PageArena | None = None,
 ) -> tuple[PackedLinear, list[PackedLinear]]:
     """One fused :class:`PackedLinear` over ``modules`` (same input), and a view of it for each.
 
     ``parts`` gives the sizes of the outputs of a single module that is already fused (Phi-3).
     ``weights`` is the storage format (:data:`WEIGHT_FORMATS`). ``modules`` may be packed already (a
     copy of a packed model, packed again in another format): their plain matrices are read.
-    The originals' weights are freed one by one as they are packed: no second copy is kept.
+    The originals' weights are freed one by one as they are packed: no second copy is kept. Blocked
+    matrices are written into ``arena`` where one is given (:mod:`reader_spec.engine.memory`).
     """
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
@@ -164,6 +166,7 @@ def pack_linears(
     stored = [_round_up(n) if blocked else n for n in sizes]
     has_bias = any(m.bias is not None for m in modules)
     matrices, biases, scales = [], [], []
+    part_arena = arena if len(modules) == 1 else None  # parts of a fused matrix go there once joined
     for module, size, room in zip(modules, sizes, stored, strict=True):
         weight = _plain_of(module)
         if has_bias:
@@ -173,13 +176,22 @@ def pack_linears(
         if quantize:
             matrix, scale = quantize_int8(weight)
             scales.append(torch.cat([scale, scale.new_zeros(room - size)]))
-        matrices.append(to_blocks(matrix, room) if blocked else matrix)
+        matrices.append(to_blocks(matrix, room, part_arena) if blocked else matrix)
         if blocked or quantize:
             release_file_pages(weight)
         del module.weight, weight, matrix
         if isinstance(module, PackedLinear) and module.scales is not None:
             del module.scales
-    fused = matrices[0] if len(matrices) == 1 else torch.cat(matrices)
+    if len(matrices) == 1:
+        fused = matrices[0]
+    else:
+        rows = sum(matrix.shape[0] for matrix in matrices)
+        into = (
+            None
+            if arena is None or not blocked
+            else arena.empty((rows, *matrices[0].shape[1:]), matrices[0].dtype)
+        )
+        fused = torch.cat(matrices, out=into)
     del matrices
     bias = None if not has_bias else biases[0] if len(biases) == 1 else torch.cat(biases)
     fused_scales = None if not quantize else scales[0] if len(scales) == 1 else torch.cat(scales)
@@ -233,62 +245,20 @@ def _round_up(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
 
 
-def to_blocks(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """``[rows / 32, in, 32]``, the matrix padded with zero rows to ``rows``."""
+def to_blocks(weight: torch.Tensor, rows: int, arena: PageArena | None = None) -> torch.Tensor:
+    """``[rows / 32, in, 32]``, the matrix padded with zero rows to ``rows`` (in ``arena`` if given)."""
     out_features, in_features = weight.shape
     if rows != out_features:
         weight = torch.cat([weight, weight.new_zeros(rows - out_features, in_features)])
-    return weight.view(rows // BLOCK, BLOCK, in_features).transpose(1, 2).contiguous()
+    blocks = weight.view(rows // BLOCK, BLOCK, in_features).transpose(1, 2)
+    if arena is None:
+        return blocks.contiguous()
+    return arena.empty(blocks.shape, blocks.dtype).copy_(blocks)
 
 
-def release_file_pages(tensor: torch.Tensor) -> None:
-    """Drop a copied weight's pages from memory where they are mapped from a file.
-
-    transformers maps safetensors files: a weight is read from the file's pages, which stay resident
-    as long as any tensor of the file lives (every norm does). Packing copies each matrix, so without
-    this the process would hold the file's pages and the packed copy at once. Only whole pages inside
-    the tensor, of a mapping backed by a file, are dropped: the kernel reads them back from the file
-    if anything touches them again (weights are never written in place). Anywhere else (anonymous
-    memory, other systems) this does nothing.
-    """
-    if _madvise is None or tensor.device.type != "cpu":
-        return
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    if not any(low <= start and end <= high for low, high in _file_mappings()):
-        return
-    page = mmap.PAGESIZE
-    first, last = -(-start // page) * page, end // page * page
-    if last > first:
-        _madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
-
-
-MADV_DONTNEED = 4
-
-
-def _libc_madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-
-
-_madvise = _libc_madvise()
-
-
-def _file_mappings() -> list[tuple[int, int]]:
-    """Address ranges of this process mapped from files (``/proc/self/maps``)."""
-    ranges = []
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            if len(fields) < 6 or not fields[5].startswith("/"):
-                continue
-            low, high = (int(part, 16) for part in fields[0].split("-"))
-            ranges.append((low, high))
-    return ranges
+def packed_bytes(module: nn.Linear | PackedLinear, weights: str) -> int:
+    """The most bytes :func:`pack_linears` stores for this module's matrix in format ``weights``."""
+    return _round_up(module.out_features) * module.in_features * (1 if weights == "int8" else 4)
 
 
 _CHOICES: dict[tuple[int, int], dict[int, bool]] = {}
