@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from reader_spec.engine.kv_cache import RaggedKVCache
 from reader_spec.engine.memory import ALIGNMENT, HUGE_PAGE, PageArena, release_file_pages
 from reader_spec.engine.weights import pack_linears
 
@@ -34,21 +35,34 @@ def test_a_full_arena_hands_out_ordinary_memory():
     assert outside.shape == (256,)
 
 
-@pytest.mark.skipif(not LINUX, reason="reads /proc/self/smaps")
-def test_the_arena_asks_for_huge_pages():
-    arena = PageArena(4 * HUGE_PAGE)
-    start = arena.empty((HUGE_PAGE,), torch.uint8).data_ptr()
+def advised_huge(address: int) -> bool:
+    """Whether the mapping holding ``address`` was advised to use huge pages (``hg`` in its flags)."""
     with open("/proc/self/smaps") as smaps:
         lines = smaps.read().splitlines()
-    flags = None
     for index, line in enumerate(lines):
         fields = line.split()
         if "-" in fields[0] and len(fields) >= 5:
             low, high = (int(part, 16) for part in fields[0].split("-"))
-            if low <= start < high:
+            if low <= address < high:
                 flags = next(entry for entry in lines[index + 1 :] if entry.startswith("VmFlags"))
-                break
-    assert flags is not None and " hg" in flags  # MADV_HUGEPAGE on the arena's mapping
+                return " hg" in flags
+    raise AssertionError("address not mapped")
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc/self/smaps")
+def test_the_arena_asks_for_huge_pages():
+    arena = PageArena(4 * HUGE_PAGE)
+    assert advised_huge(arena.empty((HUGE_PAGE,), torch.uint8).data_ptr())
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc/self/smaps")
+def test_large_cache_buffers_sit_on_huge_pages_and_start_zeroed():
+    cache = RaggedKVCache(num_layers=1, num_rows=4, capacity=4096)
+    layer = cache.layers[0]
+    cache.set_window([0], [1])
+    layer.write(torch.ones(1, 2, 64), torch.ones(1, 2, 64))  # [4, 2, 4096, 64] float32: 8 MB each
+    assert advised_huge(layer.keys.data_ptr()) and advised_huge(layer.values.data_ptr())
+    assert int(layer.keys.count_nonzero()) == 2 * 64 and int(layer.values.count_nonzero()) == 2 * 64
 
 
 def test_packed_matrices_are_written_into_the_arena_and_multiply_alike():
