@@ -95,11 +95,22 @@ class Floor:
         )
 
 
+def _parameter_bytes(model: PreTrainedModel) -> int:
+    """Bytes the parameters occupy, each byte once: a packed model's projections are views of shared
+    fused matrices, and its matrices lie in one arena larger than they are
+    (:mod:`reader_spec.engine.memory`)."""
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in model.parameters())
+    total, covered = 0, 0
+    for start, end in spans:
+        if end > covered:
+            total += end - max(start, covered)
+            covered = end
+    return total
+
+
 def measure_floor(model: PreTrainedModel, rounds: int = 5) -> Floor:
     """This machine's floor for ``model``'s passes (a few seconds of measuring)."""
-    # Whole storages, each once: a packed model's projections are views of shared fused matrices.
-    storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in model.parameters()}
-    weight_bytes = sum(storage.nbytes() for storage in storages.values())
+    weight_bytes = _parameter_bytes(model)
     device, dtype = model.device, model.dtype
     parameters = weight_bytes // (torch.finfo(dtype).bits // 8)
     synchronize = synchronizer(device)
