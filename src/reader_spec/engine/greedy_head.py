@@ -26,11 +26,11 @@ import torch
 
 from reader_spec.engine import kernels
 from reader_spec.engine.memory import PageArena
-from reader_spec.engine.weights import BLOCK, ROW_BUCKETS, PackedLinear, fastest, quantize_int8, to_blocks
+from reader_spec.engine.weights import BLOCK, ROW_BUCKETS, PackedLinear, fastest, quantize_int8
 
 UNIT_ROUNDOFF = 2.0**-24
-SLACK_ROWS = 4096
-"""Columns whose bound is computed at a time (float64): bounds the memory packing takes."""
+CHUNK_BLOCKS = 128
+"""Blocks of 32 columns quantized at a time: a few MB of temporaries, never a whole float copy."""
 
 
 class GreedyHead:
@@ -38,13 +38,18 @@ class GreedyHead:
 
     def __init__(self, head: PackedLinear):
         self.head = head
-        stored = head.weight.shape[0] * BLOCK
-        plain = head.plain_weight()
-        quantized, scales = quantize_int8(plain)
-        self.slack = _slack(plain, quantized, scales, stored)
-        del plain
-        self.quantized = to_blocks(quantized, stored, PageArena(quantized.numel()))
-        self.scales = torch.cat([scales, scales.new_zeros(stored - scales.numel())])
+        blocks, features, _ = head.weight.shape
+        self.quantized = PageArena(head.weight.numel()).empty(head.weight.shape, torch.int8)
+        self.scales = torch.empty(blocks * BLOCK)
+        self.slack = torch.empty(blocks * BLOCK)
+        for first in range(0, blocks, CHUNK_BLOCKS):
+            chunk = head.weight[first : first + CHUNK_BLOCKS]  # padding columns are zero: q 0, slack 0
+            plain = chunk.transpose(1, 2).reshape(-1, features)
+            quantized, scales = quantize_int8(plain)
+            columns = slice(first * BLOCK, first * BLOCK + plain.shape[0])
+            self.scales[columns] = scales
+            self.slack[columns] = _slack(plain, quantized, scales)
+            self.quantized[first : first + CHUNK_BLOCKS] = quantized.view(-1, BLOCK, features).transpose(1, 2)
         self._wins_by_bucket: dict[int, bool] = {}
         """Whether the int8 copy beats the whole float32 layer at that row bucket (timed once)."""
 
@@ -82,19 +87,13 @@ class GreedyHead:
         return wins
 
 
-def _slack(plain: torch.Tensor, quantized: torch.Tensor, scales: torch.Tensor, stored: int) -> torch.Tensor:
-    """Each column's bound per unit of ``|h|`` (see the module's docstring), ``stored`` long (zero past
-    the matrix: padding columns are never candidates, their logits are not computed)."""
+def _slack(plain: torch.Tensor, quantized: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Each column's bound per unit of ``|h|`` (see the module's docstring), rounded up to float32."""
     features = plain.shape[1]
     gamma = (features + 1) * UNIT_ROUNDOFF / (1 - (features + 1) * UNIT_ROUNDOFF)
-    slack = torch.zeros(stored, dtype=torch.float64)
-    columns = plain.shape[0]
-    for start in range(0, columns, SLACK_ROWS):
-        rows = slice(start, min(start + SLACK_ROWS, columns))
-        exact = plain[rows].double()
-        approx = quantized[rows].double() * scales[rows].double()[:, None]
-        norms = exact.norm(dim=1) + approx.norm(dim=1)
-        error = (exact - approx).norm(dim=1)
-        slack[rows] = 1.05 * (error + gamma * norms) + 16 * UNIT_ROUNDOFF * norms
+    exact = plain.double()
+    approx = quantized.double() * scales.double()[:, None]
+    norms = exact.norm(dim=1) + approx.norm(dim=1)
+    slack = 1.05 * ((exact - approx).norm(dim=1) + gamma * norms) + 16 * UNIT_ROUNDOFF * norms
     rounded = slack.float()
     return torch.where(rounded.double() < slack, torch.nextafter(rounded, torch.tensor(torch.inf)), rounded)
