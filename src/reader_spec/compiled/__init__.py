@@ -26,10 +26,10 @@ _loaded_from: dict[str, Path] = {}
 (a second file, e.g. built under another cache directory, aborts the process)."""
 
 
-def build_directory(name: str, sources: list[Path]) -> Path:
+def build_directory(name: str, sources: list[Path], headers: list[Path] = ()) -> Path:
     import torch
 
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in sources))
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in [*sources, *headers]))
     key.update(torch.__version__.encode() + _cpu_flags().encode())
     return cache_root() / "kernels" / f"{name}-{key.hexdigest()[:16]}"
 
@@ -44,12 +44,15 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def load(name: str, sources: list[Path], *, python_module: bool) -> ModuleType | bool | None:
+def load(
+    name: str, sources: list[Path], *, python_module: bool, headers: list[Path] = ()
+) -> ModuleType | bool | None:
     """Build (if needed) and load one part: the module where ``python_module``, else True once its
-    ops are registered; None (said once by the caller's fallback) where the build fails."""
+    ops are registered; None (said once by the caller's fallback) where the build fails. ``headers``:
+    files the sources include, which identify the build with them."""
     from torch.utils.cpp_extension import load as load_extension
 
-    directory = _loaded_from.get(name) or build_directory(name, sources)
+    directory = _loaded_from.get(name) or build_directory(name, sources, headers)
     directory.mkdir(parents=True, exist_ok=True)
     try:
         loaded = load_extension(

@@ -9,9 +9,11 @@ Llama-style RMSNorm, one formula in every family that has it, is the engine's ow
 engine needs: fused and packed projections (:mod:`reader_spec.engine.weights`), rotary tables
 computed once, cache rows written in place, packed attention over the batch's rows, and logits only
 where asked. On a CPU in float32 the operators between the products (residual add with RMSNorm, SiLU
-gating, rotary embedding with the cache write) are compiled ops (:mod:`reader_spec.engine.kernels`):
-each matrix product evicts PyTorch's code from the caches, so a chain of small operators costs far
-more there than alone.
+gating, rotary embedding with the cache write, attention of passes of up to :data:`NATIVE_ROWS`
+tokens) are compiled ops (:mod:`reader_spec.engine.kernels`): each matrix product evicts PyTorch's
+code from the caches, so a chain of small operators costs far more there than alone. Layers of the
+Llama shape (RMSNorm, SiLU, whole-head rotary, no soft-capping: Llama, Mistral, Qwen2, Qwen3) then run
+whole, one compiled call each (``DecoderLayer``), with the same ops and the same results.
 
 Llama and Mistral, Qwen2 and Qwen3 (per-head query/key norms), Phi-3 (already fused projections) and
 Gemma 2 and 3 (norms around attention and MLP, scaled embeddings, soft-capping, a rotary table per
@@ -21,6 +23,8 @@ transformers (``ModelRunner``).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 import sys
 from dataclasses import dataclass
@@ -35,13 +39,18 @@ from reader_spec.engine.attention import PackedLayout, additive, packed
 from reader_spec.engine.greedy_head import GreedyHead
 from reader_spec.engine.kv_cache import RaggedKVCache, RaggedLayer
 from reader_spec.engine.memory import PageArena
-from reader_spec.engine.weights import PackedLinear, pack_linears, packed_bytes
+from reader_spec.engine.weights import ROW_BUCKETS, PackedLinear, pack_linears, packed_bytes
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 """``model_type`` values the fast decoder runs; the rest use transformers' forward."""
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """Rotary embeddings that depend on the position only, so one table serves every pass."""
+
+NATIVE_ROWS = ROW_BUCKETS[-1]
+"""The most tokens of a pass that the compiled attention and whole compiled layers run. Beyond, the
+products' batched matmul and PyTorch's attention kernel share the work better between cores
+(``docs/runner.md``)."""
 
 
 def supports(model: PreTrainedModel) -> bool:
@@ -73,6 +82,37 @@ class _Layer:
     kind: str
     """``full_attention`` or ``sliding_attention``: which mask (and, for Gemma 3, rotary table)."""
     softcap: float | None
+    native: torch.ScriptObject | None = None
+    """The whole layer as one compiled call (``DecoderLayer`` of :mod:`.kernels`), where it has the
+    Llama shape and runs on a CPU in float32."""
+
+    @property
+    def linears(self) -> tuple[PackedLinear, ...]:
+        return self.qkv, self.output, self.gate_up, self.down
+
+    def __deepcopy__(self, memo: dict) -> _Layer:
+        """A copy over the copied modules, its compiled layer built again (those cannot be copied)."""
+        fields = {
+            f.name: copy.deepcopy(getattr(self, f.name), memo)
+            for f in dataclasses.fields(self)
+            if f.name != "native"
+        }
+        copied = _Layer(**fields)
+        if self.native is not None:
+            copied.native = _native_layer(copied)
+        return copied
+
+
+@dataclass
+class _Plan:
+    """Where each token of a pass goes, for the compiled attention: its cache row and position, its
+    tree and place in it, and each layer kind's visibility (``[trees, width, kv_length]``)."""
+
+    token_row: torch.Tensor
+    position: torch.Tensor
+    token_tree: torch.Tensor
+    token_offset: torch.Tensor
+    visible: dict[str, torch.Tensor]
 
 
 class FastDecoder:
@@ -120,6 +160,11 @@ class FastDecoder:
         self.fused = _on_cpu(model) and kernels.available()
         """Whether the small operators between the products run as the compiled ops of
         :mod:`reader_spec.engine.kernels` (``layer_ops.cpp``)."""
+        self.native = self.fused
+        """Whether layers of the Llama shape run whole as compiled calls (``decoder_layer.cpp``)."""
+        if self.fused:
+            for layer in self.layers:
+                layer.native = _native_layer(layer)
         # Soft-capping can map distinct logits to one float and change which is first among equals.
         exact_argmax = self.final_softcap is None and GreedyHead.applies(self.lm_head)
         self.greedy_head = GreedyHead(self.lm_head) if exact_argmax else None
@@ -181,27 +226,61 @@ class FastDecoder:
         positions: torch.Tensor,
         masks: dict[str, torch.Tensor],
         cache: RaggedKVCache,
+        widths: list[int],
         layout: PackedLayout | None,
         keep: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The final (normed) hidden states ``[tokens kept, hidden]`` of a packed pass; ``keep`` indexes
-        the tokens (None: all). :meth:`logits` or :meth:`greedy_tokens` then runs the output layer."""
+        """The final (normed) hidden states ``[tokens kept, hidden]`` of a packed pass (``widths[i]``
+        tokens of tree ``i``); ``keep`` indexes the tokens (None: all). :meth:`logits` or
+        :meth:`greedy_tokens` then runs the output layer."""
         hidden = self.embed(input_ids)
         rotary = {
             kind: self._rotary(hidden, positions, kind) for kind in {layer.kind for layer in self.layers}
         }
-        masks = additive(masks, hidden.dtype)
         tokens = input_ids.shape[0]
+        plan = self._plan(cache, widths, masks, hidden) if self.fused and tokens <= NATIVE_ROWS else None
+        if plan is None:
+            masks = additive(masks, hidden.dtype)
+        native = plan is not None and self.native and self._native_runs(rotary)
         residual = None  # what the previous block adds to ``hidden``, added together with the next norm
         for index, layer in enumerate(self.layers):
+            layer_cache = cache.layers[index]
+            if native and layer.native is not None:
+                cos, sin = rotary[layer.kind]
+                residual = layer.native.forward(
+                    hidden,
+                    residual,
+                    cos[0],
+                    sin[0],
+                    layer_cache.keys,
+                    layer_cache.values,
+                    plan.position,
+                    plan.visible[layer.kind],
+                    plan.token_tree,
+                    plan.token_offset,
+                    plan.token_row,
+                    [linear.compiled_at(tokens) for linear in layer.linears],
+                )
+                continue
             hidden, normed = self._add_norm(hidden, residual, layer.input_norm)
             qkv = layer.qkv(normed)
-            query_key = _query_key(layer, qkv, tokens, self.head_dim)
+            query_key = self._query_key(layer, qkv, tokens)
             value = layer.qkv.split(qkv)[2].view(tokens, -1, self.head_dim)
-            query = self._rotate_and_store(
-                cache.layers[index], query_key, value, layer.heads, *rotary[layer.kind]
-            )
-            attended = self._attend(layer, query, *cache.layers[index].attended(), masks, layout)
+            query = self._rotate_and_store(layer_cache, query_key, value, layer.heads, *rotary[layer.kind])
+            if plan is not None:
+                attended = torch.ops.reader_spec.attention(
+                    query.contiguous(),
+                    layer_cache.keys,
+                    layer_cache.values,
+                    plan.visible[layer.kind],
+                    plan.token_tree,
+                    plan.token_offset,
+                    plan.token_row,
+                    self.scaling,
+                    layer.softcap or 0.0,
+                ).view(tokens, -1)
+            else:
+                attended = self._attend(layer, query, *layer_cache.attended(), masks, layout)
             attended = layer.output(attended)
             if layer.attention_output_norm is not None:
                 attended = layer.attention_output_norm(attended)
@@ -211,6 +290,27 @@ class FastDecoder:
         if keep is not None:
             hidden, residual = hidden[keep], residual[keep]
         return self._add_norm(hidden, residual, self.norm)[1]
+
+    def _plan(
+        self, cache: RaggedKVCache, widths: list[int], masks: dict[str, torch.Tensor], hidden: torch.Tensor
+    ) -> _Plan:
+        """The compiled attention's view of a pass; the cache's buffers allocated if need be."""
+        for layer_cache in cache.layers:
+            if layer_cache.keys is None:
+                kv_heads = self.layers[0].qkv.parts[1][1] // self.head_dim
+                empty = hidden.new_empty(0, kv_heads, self.head_dim)
+                layer_cache.destination(empty, empty)
+        _, token_row, position, _ = cache.window()
+        sizes = torch.tensor(widths)
+        token_tree = torch.arange(len(widths)).repeat_interleave(sizes)
+        starts = sizes.cumsum(0) - sizes
+        token_offset = torch.arange(int(sizes.sum())) - starts.repeat_interleave(sizes)
+        visible = {kind: mask[:, 0].contiguous() for kind, mask in masks.items()}
+        return _Plan(token_row, position, token_tree, token_offset, visible)
+
+    def _native_runs(self, rotary: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Whether this pass's layers can run whole: the rotary embedding turns whole heads."""
+        return all(cos.shape[-1] == self.head_dim for cos, _ in rotary.values())
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """The output layer: ``[rows, vocab]`` logits of final hidden states."""
@@ -244,6 +344,26 @@ class FastDecoder:
         if self.fused and isinstance(activation, (nn.SiLU, SiLUActivation)):
             return torch.ops.reader_spec.silu_mul(gate, up)
         return activation(gate) * up
+
+    def _query_key(self, layer: _Layer, qkv: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Queries and keys as one ``[tokens, heads + kv_heads, head_dim]`` block (a view where they lie
+        side by side; normed per head where the family does)."""
+        (query_start, query_size), (key_start, key_size), _ = layer.qkv.parts
+        if layer.query_norm is None and key_start == query_start + query_size:
+            return qkv[:, query_start : key_start + key_size].view(tokens, -1, self.head_dim)
+        query = qkv[:, query_start : query_start + query_size].reshape(-1, self.head_dim)
+        key = qkv[:, key_start : key_start + key_size].reshape(-1, self.head_dim)
+        if layer.query_norm is not None:
+            query, key = self._head_norm(layer.query_norm, query), self._head_norm(layer.key_norm, key)
+        return torch.cat((query.view(tokens, -1, self.head_dim), key.view(tokens, -1, self.head_dim)), dim=1)
+
+    def _head_norm(self, norm: nn.Module, heads: torch.Tensor) -> torch.Tensor:
+        """A per-head norm of ``[rows, head_dim]``: the compiled RMSNorm where the layers run compiled
+        (the arithmetic of ``DecoderLayer``), else the family's."""
+        if self.fused and getattr(norm, "variance_epsilon", None) is not None:
+            epsilon = norm.variance_epsilon
+            return torch.ops.reader_spec.add_rms_norm(heads.contiguous(), None, norm.weight, epsilon)
+        return _norm(norm, heads)
 
     def _rotate_and_store(
         self,
@@ -335,19 +455,6 @@ def _on_cpu(model: PreTrainedModel) -> bool:
     return model.device.type == "cpu" and model.dtype == torch.float32
 
 
-def _query_key(layer: _Layer, qkv: torch.Tensor, tokens: int, head_dim: int) -> torch.Tensor:
-    """Queries and keys as one ``[tokens, heads + kv_heads, head_dim]`` block (a view where they lie
-    side by side; normed per head where the family does)."""
-    (query_start, query_size), (key_start, key_size), _ = layer.qkv.parts
-    if layer.query_norm is None and key_start == query_start + query_size:
-        return qkv[:, query_start : key_start + key_size].view(tokens, -1, head_dim)
-    query = qkv[:, query_start : query_start + query_size].view(tokens, -1, head_dim)
-    key = qkv[:, key_start : key_start + key_size].view(tokens, -1, head_dim)
-    if layer.query_norm is not None:
-        query, key = _norm(layer.query_norm, query), _norm(layer.key_norm, key)
-    return torch.cat((query, key), dim=1)
-
-
 def _norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """Llama's RMSNorm (``weight * x / rms(x)``, with ``variance_epsilon``) as PyTorch's fused kernel;
     other norms (Gemma's ``(1 + weight)``) as the model's own module."""
@@ -355,6 +462,47 @@ def _norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     if epsilon is None:
         return norm(hidden)
     return nn.functional.rms_norm(hidden, norm.weight.shape, norm.weight, epsilon)
+
+
+def _native_layer(layer: _Layer) -> torch.ScriptObject | None:
+    """The layer as one compiled ``DecoderLayer`` where it has the Llama shape (RMSNorms of one epsilon,
+    SiLU, no norms after attention or MLP, queries and keys side by side, no soft-capping); else None."""
+    norms = [layer.input_norm, layer.mlp_input_norm]
+    if layer.query_norm is not None:
+        norms += [layer.query_norm, layer.key_norm]
+    epsilons = {getattr(norm, "variance_epsilon", None) for norm in norms}
+    (query_start, query_size), (key_start, key_size), (value_start, _) = layer.qkv.parts
+    (_, intermediate), (up_start, _) = layer.gate_up.parts
+    llama_shaped = (
+        len(epsilons) == 1
+        and None not in epsilons
+        and layer.attention_output_norm is None
+        and layer.mlp_output_norm is None
+        and isinstance(layer.activation, (nn.SiLU, SiLUActivation))
+        and layer.softcap is None
+        and query_start == 0
+        and key_start == query_size
+        and all(linear.blocked for linear in layer.linears)
+    )
+    if not llama_shaped:
+        return None
+    head_dim = query_size // layer.heads
+    classes = torch.classes.reader_spec
+    return classes.DecoderLayer(
+        layer.input_norm.weight,
+        None if layer.query_norm is None else layer.query_norm.weight,
+        None if layer.key_norm is None else layer.key_norm.weight,
+        layer.mlp_input_norm.weight,
+        epsilons.pop(),
+        *(classes.Linear(m.weight, m.scales, m.bias, m.out_features) for m in layer.linears),
+        layer.heads,
+        key_size // head_dim,
+        head_dim,
+        value_start,
+        up_start,
+        intermediate,
+        layer.attention.scaling,
+    )
 
 
 def _kinds(config) -> list[str]:

@@ -67,7 +67,7 @@ def forward_fingerprint() -> str:
         for name in ("runner", "decoder", "greedy_head", "weights", "kv_cache", "attention")
     ]
     digest = hashlib.sha256()
-    for source in [*sources, *kernels.SOURCES]:
+    for source in [*sources, *kernels.SOURCES, *kernels.HEADERS]:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -217,7 +217,9 @@ class ModelRunner:
         if self.decoder is not None:
             masks = {name: m.to(device) for name, m in masks.items()}
             keep = None if keep is None else keep.to(device)
-            return self.decoder(input_ids.to(device), positions.to(device), masks, self.cache, layout, keep)
+            return self.decoder(
+                input_ids.to(device), positions.to(device), masks, self.cache, widths, layout, keep
+            )
         masks = {name: m.to(device) for name, m in additive(masks, self.dtype).items()}
         try:
             out = self.model(

@@ -82,15 +82,20 @@ class PackedLinear(nn.Module):
             weight = self.weight if self.scales is None else self.plain_weight()
             return nn.functional.linear(x, weight, self.bias)
         rows = x.numel() // self.in_features
-        compiled = self._compiled_by_rows.get(rows)
-        if compiled is None:  # once per row count: a pass runs 100-200 products, each a few us of Python
-            compiled = self._compiled_by_rows[rows] = _compiled_wins(self.weight, rows)
+        compiled = self.compiled_at(rows)
         if self.scales is not None:
             return self._forward_int8(x, rows, compiled)
         if compiled:
             return torch.ops.reader_spec.blocked_linear(x, self.weight, self.bias, self.out_features)
         flat = x.reshape(rows, self.in_features)
         return self._unblock(torch.matmul(flat, self.weight), x)
+
+    def compiled_at(self, rows: int) -> bool:
+        """Whether the compiled kernel multiplies ``rows`` rows (blocked matrices; timed once per shape)."""
+        compiled = self._compiled_by_rows.get(rows)
+        if compiled is None:  # once per row count: a pass runs 100-200 products, each a few us of Python
+            compiled = self._compiled_by_rows[rows] = self.blocked and _compiled_wins(self.weight, rows)
+        return compiled
 
     def _forward_int8(self, x: torch.Tensor, rows: int, compiled: bool) -> torch.Tensor:
         if compiled:

@@ -1,6 +1,7 @@
 """The fast runner's compiled CPU kernels (``torch.ops.reader_spec``), built as :mod:`reader_spec.compiled`
-says: the matrix products of :mod:`reader_spec.engine.weights` and the small operators between them
-(``layer_ops.cpp``). Where they cannot be built, the runner uses PyTorch's own operators.
+says: the matrix products of :mod:`reader_spec.engine.weights`, the small operators between them and
+attention (``layer_ops.cpp``), and whole decoder layers of the Llama shape (``decoder_layer.cpp``).
+Where they cannot be built, the runner uses PyTorch's own operators.
 """
 
 from __future__ import annotations
@@ -10,7 +11,11 @@ from pathlib import Path
 
 from reader_spec import compiled
 
-SOURCES = [Path(__file__).with_name(name) for name in ("blocked_linear.cpp", "layer_ops.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("blocked_linear.cpp", "layer_ops.cpp", "decoder_layer.cpp")
+]
+HEADERS = [Path(__file__).with_name("kernels.h")]
+"""What the sources include: part of what identifies a build."""
 BLOCK = 32
 """Output columns per weight block; must match ``kBlock`` in the source."""
 
@@ -18,4 +23,4 @@ BLOCK = 32
 @cache
 def available() -> bool:
     """Build (if needed) and load the kernel; False where that fails."""
-    return compiled.load("reader_spec_kernels", SOURCES, python_module=False) is not None
+    return compiled.load("reader_spec_kernels", SOURCES, python_module=False, headers=HEADERS) is not None

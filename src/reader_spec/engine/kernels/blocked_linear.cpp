@@ -22,6 +22,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
+
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -144,31 +146,11 @@ void rows_tile(int rows, const float* x, int64_t ldx, const Weight* w, int64_t b
 template <typename Weight>
 constexpr int64_t kGroup = std::is_same_v<Weight, float> ? 1 : 2;
 
-// Both ops: checks, then every block of columns (in parallel) times every tile of rows.
+// y = x @ W.T (+ bias) for `rows` rows of x side by side, every block of columns (in parallel) times
+// every tile of rows.
 template <typename Weight>
-at::Tensor run_blocked(const char* name, const at::Tensor& input, const at::Tensor& weight, const float* scales,
-                       const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu(), name, " runs on the CPU");
-  TORCH_CHECK(input.scalar_type() == at::kFloat, name, ": float32 input only");
-  TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kBlock && weight.is_contiguous(), "weight must be [blocks, K, 32]");
-  const int64_t k_size = weight.size(1);
-  TORCH_CHECK(input.size(-1) == k_size, "input has ", input.size(-1), " features, the weight ", k_size);
-  TORCH_CHECK(out_features <= weight.size(0) * kBlock, "out_features exceeds the weight's blocks");
-  const at::Tensor x = input.reshape({-1, k_size}).contiguous();
-  const int64_t rows = x.size(0);
-  auto out_shape = input.sizes().vec();
-  out_shape.back() = out_features;
-  at::Tensor y = at::empty({rows, out_features}, x.options());
-  const float* bias_data = nullptr;
-  at::Tensor bias_contiguous;
-  if (bias.has_value() && bias->defined()) {
-    bias_contiguous = bias->contiguous();
-    TORCH_CHECK(bias_contiguous.numel() == out_features, "bias has the wrong size");
-    bias_data = bias_contiguous.data_ptr<float>();
-  }
-  const float* x_data = x.data_ptr<float>();
-  const Weight* w_data = weight.data_ptr<Weight>();
-  float* y_data = y.data_ptr<float>();
+void product(const float* x_data, int64_t rows, const Weight* w_data, int64_t k_size, const float* scales,
+             const float* bias_data, float* y_data, int64_t out_features) {
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
   const int64_t block_stride = k_size * kBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
@@ -198,6 +180,34 @@ at::Tensor run_blocked(const char* name, const at::Tensor& input, const at::Tens
       }
     }
   });
+}
+
+// Both ops: checks, then the product.
+template <typename Weight>
+at::Tensor run_blocked(const char* name, const at::Tensor& input, const at::Tensor& weight, const float* scales,
+                       const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu(), name, " runs on the CPU");
+  TORCH_CHECK(input.scalar_type() == at::kFloat, name, ": float32 input only");
+  TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kBlock && weight.is_contiguous(), "weight must be [blocks, K, 32]");
+  const int64_t k_size = weight.size(1);
+  TORCH_CHECK(input.size(-1) == k_size, "input has ", input.size(-1), " features, the weight ", k_size);
+  TORCH_CHECK(out_features <= weight.size(0) * kBlock, "out_features exceeds the weight's blocks");
+  const at::Tensor x = input.reshape({-1, k_size}).contiguous();
+  const int64_t rows = x.size(0);
+  auto out_shape = input.sizes().vec();
+  out_shape.back() = out_features;
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const float* bias_data = nullptr;
+  at::Tensor bias_contiguous;
+  if (bias.has_value() && bias->defined()) {
+    bias_contiguous = bias->contiguous();
+    TORCH_CHECK(bias_contiguous.numel() == out_features, "bias has the wrong size");
+    bias_data = bias_contiguous.data_ptr<float>();
+  }
+  const float* x_data = x.data_ptr<float>();
+  const Weight* w_data = weight.data_ptr<Weight>();
+  float* y_data = y.data_ptr<float>();
+  product<Weight>(x_data, rows, w_data, k_size, scales, bias_data, y_data, out_features);
   return y.view(out_shape);
 }
 
@@ -294,6 +304,20 @@ at::Tensor greedy_tokens(const at::Tensor& hidden, const at::Tensor& weight, con
 }
 
 }  // namespace
+
+namespace reader_spec {
+
+void blocked_product(const float* x, int64_t rows, const float* weight, int64_t k_size, const float* bias, float* y,
+                     int64_t out_features) {
+  product<float>(x, rows, weight, k_size, nullptr, bias, y, out_features);
+}
+
+void blocked_product(const float* x, int64_t rows, const int8_t* weight, int64_t k_size, const float* scales,
+                     const float* bias, float* y, int64_t out_features) {
+  product<int8_t>(x, rows, weight, k_size, scales, bias, y, out_features);
+}
+
+}  // namespace reader_spec
 
 TORCH_LIBRARY(reader_spec, m) {
   m.def("blocked_linear(Tensor input, Tensor weight, Tensor? bias, int out_features) -> Tensor");

@@ -7,12 +7,25 @@
 // the attention. Each op below replaces a chain of PyTorch operators by one call that touches little
 // code. Rows are processed one at a time by the same code whatever their number, so a token's result
 // does not depend on what else is in the pass (the lossless checks compare passes of any width).
+//
+// Attention is here too: PyTorch's CPU kernel costs about 40 us a call at one query token, for work
+// of a few microseconds, and its result for a query may depend on the other queries of the call.
+// `attend` computes each (token, head) alone: scores over the token's visible keys in cache order,
+// softmax, then the values' weighted sum in the same order, each a fixed sequence of operations. A
+// tree's token sees its context and its ancestors, which are the keys the same token sees in plain
+// decoding, in the same order: its output is bitwise what plain decoding computes.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
 
 namespace {
 
@@ -29,6 +42,13 @@ inline Vec16 load(const float* p) {
 inline void store(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 inline Vec16 splat(float value) { return Vec16{} + value; }
+
+// The first `count` (< 16) floats at p, zeros after.
+inline Vec16 load_partial(const float* p, int64_t count) {
+  Vec16 v{};
+  std::memcpy(&v, p, count * sizeof(float));
+  return v;
+}
 
 // exp(x) lane by lane (Cephes' single-precision polynomial, about 1 ulp): range-reduced by powers of
 // two, which are put back through the exponent bits.
@@ -53,11 +73,172 @@ inline Vec16 exp16(Vec16 x) {
   return y * power;
 }
 
+// The sum of each of 16 vectors' lanes, as one vector (lane j: the sum of sums[j]), by a fixed tree
+// of pairwise additions: a value depends only on its own vector, never on the other fifteen.
+inline Vec16 lane_sums(const Vec16 (&sums)[16]) {
+  Vec16 halves[8], quarters[4], eighths[2];
+  for (int i = 0; i < 8; ++i) {  // lanes 0-7: vector 2i's halves added, 8-15: vector 2i+1's
+    const Vec16 a = sums[2 * i], b = sums[2 * i + 1];
+    halves[i] = __builtin_shuffle(a, b, Int16{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}) +
+                __builtin_shuffle(a, b, Int16{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31});
+  }
+  for (int i = 0; i < 4; ++i) {
+    const Vec16 a = halves[2 * i], b = halves[2 * i + 1];
+    quarters[i] = __builtin_shuffle(a, b, Int16{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}) +
+                  __builtin_shuffle(a, b, Int16{4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31});
+  }
+  for (int i = 0; i < 2; ++i) {
+    const Vec16 a = quarters[2 * i], b = quarters[2 * i + 1];
+    eighths[i] = __builtin_shuffle(a, b, Int16{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}) +
+                 __builtin_shuffle(a, b, Int16{2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31});
+  }
+  return __builtin_shuffle(eighths[0], eighths[1], Int16{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
+         __builtin_shuffle(eighths[0], eighths[1], Int16{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
+}
+
+using reader_spec::CacheView;
+
 void check_float_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
 }
 
-// hidden += delta (when given, in place), then Llama's RMSNorm of the result: weight * (h / rms(h)).
+constexpr int64_t kMaxHeadDim = 256;
+
+// Buffers one thread reuses across its runs of attention.
+struct AttentionScratch {
+  std::vector<char> seen_by_any;
+  std::vector<int32_t> keys;
+  std::vector<float> weights;
+};
+
+// Query heads whose value sums a thread keeps in registers at once: 16 vectors of sums.
+template <int kChunks>
+constexpr int kQueriesAtOnce = kChunks > 0 && kChunks <= 16 ? std::max(1, 16 / kChunks) : 1;
+
+// The values' weighted sums of kQueriesAtOnce queries (`weights[q]`: one weight per key of the run):
+// out[q] = sum_i weights[q][i] v_i / total[q], over the run's keys in cache order. A key the query does
+// not see has weight 0 and adds exactly nothing, so each query's sums are the same sequence of
+// roundings as over its own keys alone. Missing queries point at zero weights; their `out` is null.
+template <int kChunks>
+void weighted_values(const float* const* weights, const float* values, const int32_t* keys_seen, int64_t n,
+                     int64_t dim, float* const* out) {
+  constexpr int kAtOnce = kQueriesAtOnce<kChunks>;
+  constexpr int kMaxChunks = kChunks > 0 ? kChunks : kMaxHeadDim / kLanes + 1;
+  const int64_t chunks = kChunks > 0 ? kChunks : (dim + kLanes - 1) / kLanes;
+  const int64_t tail = dim % kLanes;
+  Vec16 sums[kAtOnce][kMaxChunks] = {};
+  float totals[kAtOnce] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    const float* v = values + keys_seen[i] * dim;
+    Vec16 value[kMaxChunks];
+    for (int64_t c = 0; c < chunks; ++c) {
+      value[c] = kChunks == 0 && tail && c == chunks - 1 ? load_partial(v + c * kLanes, tail) : load(v + c * kLanes);
+    }
+    for (int q = 0; q < kAtOnce; ++q) {
+      const float weight = weights[q][i];
+      for (int64_t c = 0; c < chunks; ++c) sums[q][c] += weight * value[c];
+      totals[q] += weight;
+    }
+  }
+  for (int q = 0; q < kAtOnce; ++q) {
+    if (out[q] == nullptr) continue;
+    // No visible key (never in a pass the runner builds): zeros, a sum over nothing.
+    const float inverse = totals[q] > 0 ? 1.0f / totals[q] : 0.0f;
+    float row[kMaxChunks * kLanes];
+    for (int64_t c = 0; c < chunks; ++c) store(row + c * kLanes, sums[q][c] * inverse);
+    std::memcpy(out[q], row, dim * sizeof(float));
+  }
+}
+
+// Sixteen dot products, scaled: lane i is scaling * (x . k[i]), each a vector of partial sums reduced by
+// the same tree whatever the other keys are. Missing keys point at zeros.
+template <int kChunks>
+Vec16 scores_of(const float* x, const float* const (&k)[kLanes], int64_t dim, float scaling) {
+  const int64_t chunks = kChunks > 0 ? kChunks : dim / kLanes, tail = kChunks > 0 ? 0 : dim % kLanes;
+  Vec16 sums[kLanes] = {};
+  for (int64_t c = 0; c < chunks; ++c) {
+    const Vec16 x_chunk = load(x + c * kLanes);
+    for (int i = 0; i < kLanes; ++i) sums[i] += x_chunk * load(k[i] + c * kLanes);
+  }
+  if (tail) {
+    const Vec16 x_chunk = load_partial(x + chunks * kLanes, tail);
+    for (int i = 0; i < kLanes; ++i) sums[i] += x_chunk * load_partial(k[i] + chunks * kLanes, tail);
+  }
+  return lane_sums(sums) * scaling;
+}
+
+// The attention of `tokens` consecutive tokens of one cache row (tokens of one tree) on one key/value
+// head, for the `group` query heads that share it: each block of keys and each value is read once for
+// all of them. A query's arithmetic is its own: scores of the keys (dot products, each reduced by the
+// same tree), weights exp(score - max) over the keys it sees (0 elsewhere), then the values' weighted
+// sum in cache order. `kChunks`: head_dim / 16 where the dispatch knows it (loops unroll, sums stay in
+// registers), 0 for any.
+template <int kChunks>
+void attend_run(const float* query, int64_t tokens, int64_t heads, int64_t group, int64_t kv_head,
+                const CacheView& cache, int64_t row, const bool* const* visible, int64_t kv_length, float scaling,
+                float softcap, float* out, AttentionScratch& scratch) {
+  const int64_t dim = cache.head_dim;
+  const int64_t chunks = kChunks > 0 ? kChunks : dim / kLanes, tail = kChunks > 0 ? 0 : dim % kLanes;
+  const int64_t queries = tokens * group;
+  // The keys any of the tokens sees, in cache order.
+  scratch.seen_by_any.assign(kv_length, 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t j = 0; j < kv_length; ++j) scratch.seen_by_any[j] |= visible[t][j];
+  }
+  scratch.keys.clear();
+  for (int64_t j = 0; j < kv_length; ++j) {
+    if (scratch.seen_by_any[j]) scratch.keys.push_back(static_cast<int32_t>(j));
+  }
+  const int32_t* keys_seen = scratch.keys.data();
+  const int64_t n = static_cast<int64_t>(scratch.keys.size());
+  const int64_t stride = (n + kLanes - 1) / kLanes * kLanes;
+  scratch.weights.resize(queries * stride);
+  const float* keys = cache.keys + cache.offset(row, kv_head, 0);
+  const float* values = cache.values + cache.offset(row, kv_head, 0);
+  auto head_of = [&](int64_t q) { return ((q / group) * heads + kv_head * group + q % group) * dim; };
+  // Scores, 16 keys at a time (in L1 for every query).
+  static const float zeros[kMaxHeadDim] = {};
+  for (int64_t first = 0; first < n; first += kLanes) {
+    const float* k[kLanes];
+    for (int64_t i = 0; i < kLanes; ++i) k[i] = first + i < n ? keys + keys_seen[first + i] * dim : zeros;
+    for (int64_t q = 0; q < queries; ++q) {
+      Vec16 block = scores_of<kChunks>(query + head_of(q), k, dim, scaling);
+      if (softcap > 0) {
+        for (int lane = 0; lane < kLanes; ++lane) block[lane] = std::tanh(block[lane] / softcap) * softcap;
+      }
+      store(scratch.weights.data() + q * stride + first, block);
+    }
+  }
+  // Scores to weights: exp(score - the largest score the query sees), 0 for keys it does not see.
+  for (int64_t q = 0; q < queries; ++q) {
+    const bool* sees = visible[q / group];
+    float* weights = scratch.weights.data() + q * stride;
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) {
+      if (sees[keys_seen[i]]) best = std::max(best, weights[i]);
+    }
+    for (int64_t first = 0; first < n; first += kLanes) {
+      const Vec16 exponentials = exp16(load(weights + first) - best);
+      for (int64_t i = first; i < std::min(first + kLanes, n); ++i) {
+        weights[i] = sees[keys_seen[i]] ? exponentials[i - first] : 0.0f;
+      }
+    }
+  }
+  constexpr int kAtOnce = kQueriesAtOnce<kChunks>;
+  scratch.weights.resize(queries * stride + n, 0.0f);  // a row of zero weights after the queries' rows
+  std::fill(scratch.weights.begin() + queries * stride, scratch.weights.end(), 0.0f);
+  for (int64_t q = 0; q < queries; q += kAtOnce) {
+    const float* weights[kAtOnce];
+    float* outputs[kAtOnce];
+    for (int64_t i = 0; i < kAtOnce; ++i) {
+      const bool real = q + i < queries;
+      weights[i] = scratch.weights.data() + (real ? (q + i) * stride : queries * stride);
+      outputs[i] = real ? out + head_of(q + i) : nullptr;
+    }
+    weighted_values<kChunks>(weights, values, keys_seen, n, dim, outputs);
+  }
+}
+
 at::Tensor add_rms_norm(at::Tensor hidden, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
                         double epsilon) {
   check_float_cpu(hidden, "hidden");
@@ -73,15 +254,109 @@ at::Tensor add_rms_norm(at::Tensor hidden, const c10::optional<at::Tensor>& delt
   }
   const at::Tensor w = weight.contiguous();
   at::Tensor out = at::empty_like(hidden);
-  float* h = hidden.data_ptr<float>();
-  const float* d = added.defined() ? added.data_ptr<float>() : nullptr;
-  const float* wp = w.data_ptr<float>();
-  float* o = out.data_ptr<float>();
+  reader_spec::add_rms_norm_rows(hidden.data_ptr<float>(), added.defined() ? added.data_ptr<float>() : nullptr,
+                                 w.data_ptr<float>(), static_cast<float>(epsilon), rows, features,
+                                 out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  check_float_cpu(gate, "gate");
+  check_float_cpu(up, "up");
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1 &&
+                  gate.stride(0) == up.stride(0),
+              "gate and up must be [tokens, features] with contiguous rows the same distance apart");
+  const int64_t rows = gate.size(0), features = gate.size(1);
+  at::Tensor out = at::empty({rows, features}, gate.options());
+  reader_spec::silu_mul_rows(gate.data_ptr<float>(), up.data_ptr<float>(), gate.stride(0), rows, features,
+                             out.data_ptr<float>());
+  return out;
+}
+
+reader_spec::CacheView cache_view(at::Tensor& key_cache, at::Tensor& value_cache) {
+  check_float_cpu(key_cache, "key_cache");
+  check_float_cpu(value_cache, "value_cache");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  value_cache.sizes() == key_cache.sizes(),
+              "caches must be contiguous [rows, kv_heads, capacity, head_dim] of one shape");
+  return {key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), key_cache.size(0), key_cache.size(1),
+          key_cache.size(2),           key_cache.size(3)};
+}
+
+at::Tensor rotary_store(const at::Tensor& query_key, const at::Tensor& value, const at::Tensor& cos,
+                        const at::Tensor& sin, at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& rows,
+                        const at::Tensor& positions, int64_t query_heads) {
+  for (const at::Tensor& t : {query_key, value, cos, sin}) check_float_cpu(t, "operand");
+  const reader_spec::CacheView cache = cache_view(key_cache, value_cache);
+  TORCH_CHECK(query_key.dim() == 3 && query_key.stride(2) == 1 && query_key.stride(1) == query_key.size(2),
+              "query_key must be [tokens, heads, head_dim] with heads side by side");
+  TORCH_CHECK(value.dim() == 3 && value.stride(2) == 1 && value.stride(1) == value.size(2),
+              "value must be [tokens, kv_heads, head_dim] with heads side by side");
+  const int64_t tokens = query_key.size(0), dim = query_key.size(2);
+  TORCH_CHECK(dim % 2 == 0 && query_key.size(1) - query_heads == cache.kv_heads && value.size(1) == cache.kv_heads &&
+                  dim == cache.head_dim,
+              "query_key, value and the caches disagree on heads or head_dim");
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  TORCH_CHECK(c.numel() == tokens * dim && s.numel() == tokens * dim, "cos and sin must be [tokens, head_dim]");
+  const at::Tensor row_of = rows.to(at::kLong).contiguous(), position_of = positions.to(at::kLong).contiguous();
+  TORCH_CHECK(row_of.numel() == tokens && position_of.numel() == tokens, "one row and position per token");
+  at::Tensor queries = at::empty({tokens, query_heads, dim}, query_key.options());
+  const int64_t* rp = row_of.data_ptr<int64_t>();
+  const int64_t* pp = position_of.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(rp[t] >= 0 && rp[t] < cache.rows && pp[t] >= 0 && pp[t] < cache.capacity, "token outside the cache");
+    reader_spec::rotary_store_token(query_key.data_ptr<float>() + t * query_key.stride(0),
+                                    value.data_ptr<float>() + t * value.stride(0), c.data_ptr<float>() + t * dim,
+                                    s.data_ptr<float>() + t * dim, query_heads, cache, rp[t], pp[t],
+                                    queries.data_ptr<float>() + t * query_heads * dim);
+  }
+  return queries;
+}
+
+at::Tensor attention(const at::Tensor& query, at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& visible,
+                     const at::Tensor& token_tree, const at::Tensor& token_offset, const at::Tensor& token_row,
+                     double scaling, double softcap) {
+  check_float_cpu(query, "query");
+  const reader_spec::CacheView cache = cache_view(key_cache, value_cache);
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous() && query.size(2) == cache.head_dim,
+              "query must be a contiguous [tokens, heads, head_dim]");
+  TORCH_CHECK(query.size(1) % cache.kv_heads == 0, "query heads must be a multiple of the cache's heads");
+  TORCH_CHECK(cache.head_dim <= kMaxHeadDim, "head_dim above ", kMaxHeadDim);
+  TORCH_CHECK(visible.scalar_type() == at::kBool && visible.dim() == 3 && visible.is_contiguous(),
+              "visible must be contiguous [trees, width, kv_length] booleans");
+  TORCH_CHECK(visible.size(2) <= cache.capacity, "visible spans more keys than the cache holds");
+  const int64_t tokens = query.size(0);
+  for (const at::Tensor* t : {&token_tree, &token_offset, &token_row}) {
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == tokens,
+                "token_tree, token_offset and token_row: one long per token");
+  }
+  const int64_t* trees = token_tree.data_ptr<int64_t>();
+  const int64_t* offsets = token_offset.data_ptr<int64_t>();
+  const int64_t* rows = token_row.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(trees[t] >= 0 && trees[t] < visible.size(0) && offsets[t] >= 0 && offsets[t] < visible.size(1) &&
+                    rows[t] >= 0 && rows[t] < cache.rows,
+                "token ", t, " outside visible or the cache");
+  }
+  at::Tensor out = at::empty_like(query);
+  const reader_spec::Visibility visibility{visible.data_ptr<bool>(), visible.size(1), visible.size(2), trees, offsets,
+                                           rows};
+  reader_spec::attend(query.data_ptr<float>(), tokens, query.size(1), cache, visibility, static_cast<float>(scaling),
+                      static_cast<float>(softcap), out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+
+namespace reader_spec {
+
+void add_rms_norm_rows(float* hidden, const float* delta, const float* weight, float epsilon, int64_t rows,
+                       int64_t features, float* normed) {
   const int64_t vectors = features / kLanes * kLanes;
   for (int64_t r = 0; r < rows; ++r) {
-    float* row = h + r * features;
-    if (d != nullptr) {
-      const float* add = d + r * features;
+    float* row = hidden + r * features;
+    if (delta != nullptr) {
+      const float* add = delta + r * features;
       for (int64_t i = 0; i < features; ++i) row[i] += add[i];
     }
     Vec16 squares{};
@@ -92,95 +367,77 @@ at::Tensor add_rms_norm(at::Tensor hidden, const c10::optional<at::Tensor>& delt
     float sum = 0;
     for (int lane = 0; lane < kLanes; ++lane) sum += squares[lane];
     for (int64_t i = vectors; i < features; ++i) sum += row[i] * row[i];
-    const float inverse = 1.0f / std::sqrt(sum / static_cast<float>(features) + static_cast<float>(epsilon));
-    float* normed = o + r * features;
-    for (int64_t i = 0; i < features; ++i) normed[i] = wp[i] * (row[i] * inverse);
+    const float inverse = 1.0f / std::sqrt(sum / static_cast<float>(features) + epsilon);
+    float* out = normed + r * features;  // may be the row itself (a norm in place)
+    for (int64_t i = 0; i < features; ++i) out[i] = weight[i] * (row[i] * inverse);
   }
-  return out;
 }
 
-// silu(gate) * up: the two parts of the fused gate/up projection's output (views of its rows).
-at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  check_float_cpu(gate, "gate");
-  check_float_cpu(up, "up");
-  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1,
-              "gate and up must be [tokens, features] with contiguous rows");
-  const int64_t rows = gate.size(0), features = gate.size(1);
-  at::Tensor out = at::empty({rows, features}, gate.options());
-  const float* g = gate.data_ptr<float>();
-  const float* u = up.data_ptr<float>();
-  float* o = out.data_ptr<float>();
+void silu_mul_rows(const float* gate, const float* up, int64_t stride, int64_t rows, int64_t features, float* out) {
   const int64_t vectors = features / kLanes * kLanes;
   for (int64_t r = 0; r < rows; ++r) {
-    const float* gate_row = g + r * gate.stride(0);
-    const float* up_row = u + r * up.stride(0);
-    float* row = o + r * features;
+    const float* gate_row = gate + r * stride;
+    const float* up_row = up + r * stride;
+    float* row = out + r * features;
     for (int64_t i = 0; i < vectors; i += kLanes) {
       const Vec16 x = load(gate_row + i);
       store(row + i, x / (1.0f + exp16(-x)) * load(up_row + i));
     }
     for (int64_t i = vectors; i < features; ++i) row[i] = gate_row[i] / (1.0f + std::exp(-gate_row[i])) * up_row[i];
   }
-  return out;
 }
 
-// Rotary embedding of every query and key head (x * cos + rotate_half(x) * sin), the rotated keys and
-// the values written into the cache at (row, head, position) of each token; returns the rotated
-// queries, [tokens, query_heads, head_dim].
-at::Tensor rotary_store(const at::Tensor& query_key, const at::Tensor& value, const at::Tensor& cos,
-                        const at::Tensor& sin, at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& rows,
-                        const at::Tensor& positions, int64_t query_heads) {
-  for (const at::Tensor& t : {query_key, value, cos, sin, key_cache, value_cache}) check_float_cpu(t, "operand");
-  TORCH_CHECK(query_key.dim() == 3 && query_key.stride(2) == 1 && query_key.stride(1) == query_key.size(2),
-              "query_key must be [tokens, heads, head_dim] with heads side by side");
-  TORCH_CHECK(value.dim() == 3 && value.stride(2) == 1 && value.stride(1) == value.size(2),
-              "value must be [tokens, kv_heads, head_dim] with heads side by side");
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "caches must be contiguous [rows, kv_heads, capacity, head_dim]");
-  const int64_t tokens = query_key.size(0), dim = query_key.size(2), half = dim / 2;
-  const int64_t kv_heads = query_key.size(1) - query_heads;
-  TORCH_CHECK(dim % 2 == 0 && kv_heads == value.size(1) && kv_heads == key_cache.size(1) &&
-                  dim == key_cache.size(3) && value_cache.sizes() == key_cache.sizes(),
-              "query_key, value and the caches disagree on heads or head_dim");
-  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
-  TORCH_CHECK(c.numel() == tokens * dim && s.numel() == tokens * dim, "cos and sin must be [tokens, head_dim]");
-  const at::Tensor row_of = rows.to(at::kLong).contiguous(), position_of = positions.to(at::kLong).contiguous();
-  TORCH_CHECK(row_of.numel() == tokens && position_of.numel() == tokens, "one row and position per token");
-  const int64_t capacity = key_cache.size(2), cache_rows = key_cache.size(0);
-  at::Tensor queries = at::empty({tokens, query_heads, dim}, query_key.options());
-  const float* qk = query_key.data_ptr<float>();
-  const float* v = value.data_ptr<float>();
-  const float* cp = c.data_ptr<float>();
-  const float* sp = s.data_ptr<float>();
-  const int64_t* rp = row_of.data_ptr<int64_t>();
-  const int64_t* pp = position_of.data_ptr<int64_t>();
-  float* q_out = queries.data_ptr<float>();
-  float* keys = key_cache.data_ptr<float>();
-  float* values = value_cache.data_ptr<float>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(rp[t] >= 0 && rp[t] < cache_rows && pp[t] >= 0 && pp[t] < capacity, "token outside the cache");
-    const float* cos_t = cp + t * dim;
-    const float* sin_t = sp + t * dim;
-    for (int64_t head = 0; head < query_heads + kv_heads; ++head) {
-      const float* x = qk + t * query_key.stride(0) + head * dim;
-      const bool is_key = head >= query_heads;
-      const int64_t kv_head = head - query_heads;
-      float* out = is_key ? keys + ((rp[t] * kv_heads + kv_head) * capacity + pp[t]) * dim
-                          : q_out + (t * query_heads + head) * dim;
-      for (int64_t i = 0; i < half; ++i) {
-        out[i] = x[i] * cos_t[i] - x[i + half] * sin_t[i];
-        out[i + half] = x[i + half] * cos_t[i + half] + x[i] * sin_t[i + half];
-      }
-    }
-    for (int64_t kv_head = 0; kv_head < kv_heads; ++kv_head) {
-      std::memcpy(values + ((rp[t] * kv_heads + kv_head) * capacity + pp[t]) * dim,
-                  v + t * value.stride(0) + kv_head * dim, dim * sizeof(float));
+void rotary_store_token(const float* query_key, const float* value, const float* cos, const float* sin,
+                        int64_t query_heads, const CacheView& cache, int64_t row, int64_t position, float* query_out) {
+  const int64_t dim = cache.head_dim, half = dim / 2;
+  for (int64_t head = 0; head < query_heads + cache.kv_heads; ++head) {
+    const float* x = query_key + head * dim;
+    float* out = head >= query_heads ? cache.keys + cache.offset(row, head - query_heads, position)
+                                     : query_out + head * dim;
+    for (int64_t i = 0; i < half; ++i) {
+      out[i] = x[i] * cos[i] - x[i + half] * sin[i];
+      out[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
     }
   }
-  return queries;
+  for (int64_t kv_head = 0; kv_head < cache.kv_heads; ++kv_head) {
+    std::memcpy(cache.values + cache.offset(row, kv_head, position), value + kv_head * dim, dim * sizeof(float));
+  }
 }
 
-}  // namespace
+void attend(const float* query, int64_t tokens, int64_t heads, const CacheView& cache, const Visibility& visibility,
+            float scaling, float softcap, float* out) {
+  const int64_t group = heads / cache.kv_heads, dim = cache.head_dim;
+  // Runs: up to kRunTokens consecutive tokens of one tree, which share their row's keys.
+  constexpr int64_t kRunTokens = 4;
+  std::vector<int64_t> starts;
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (t == 0 || visibility.token_tree[t] != visibility.token_tree[t - 1] || t - starts.back() == kRunTokens) {
+      starts.push_back(t);
+    }
+  }
+  starts.push_back(tokens);
+  const int64_t runs = static_cast<int64_t>(starts.size()) - 1;
+  // Items of about 64k multiply-adds or more per thread: below that, threads cost more than they save.
+  const int64_t work = std::max<int64_t>(1, visibility.kv_length * group * dim * tokens / std::max<int64_t>(runs, 1));
+  const auto run_of = dim == 64 ? attend_run<4> : dim == 128 ? attend_run<8> : attend_run<0>;
+  at::parallel_for(0, runs * cache.kv_heads, std::max<int64_t>(1, 65536 / work), [&](int64_t begin, int64_t end) {
+    AttentionScratch scratch;
+    std::vector<const bool*> visible;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t run = item / cache.kv_heads, kv_head = item % cache.kv_heads;
+      const int64_t first = starts[run], count = starts[run + 1] - first;
+      visible.clear();
+      for (int64_t t = first; t < first + count; ++t) {
+        visible.push_back(visibility.visible + (visibility.token_tree[t] * visibility.width + visibility.token_offset[t]) *
+                                                   visibility.kv_length);
+      }
+      run_of(query + first * heads * dim, count, heads, group, kv_head, cache, visibility.token_row[first],
+             visible.data(), visibility.kv_length, scaling, softcap, out + first * heads * dim, scratch);
+    }
+  });
+}
+
+}  // namespace reader_spec
 
 TORCH_LIBRARY_FRAGMENT(reader_spec, m) {
   m.def("add_rms_norm(Tensor(a!) hidden, Tensor? delta, Tensor weight, float epsilon) -> Tensor");
@@ -188,10 +445,14 @@ TORCH_LIBRARY_FRAGMENT(reader_spec, m) {
   m.def(
       "rotary_store(Tensor query_key, Tensor value, Tensor cos, Tensor sin, Tensor(a!) key_cache, "
       "Tensor(b!) value_cache, Tensor rows, Tensor positions, int query_heads) -> Tensor");
+  m.def(
+      "attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor visible, Tensor token_tree, "
+      "Tensor token_offset, Tensor token_row, float scaling, float softcap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(reader_spec, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary_store", &rotary_store);
+  m.impl("attention", &attention);
 }

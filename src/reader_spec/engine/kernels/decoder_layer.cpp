@@ -1,0 +1,212 @@
+// A whole decoder layer of the Llama shape in one call: RMSNorm, the fused query/key/value product,
+// optional per-head query/key norms (Qwen3), rotary embedding with the cache write, attention, the
+// output product, RMSNorm, the fused gate/up product, SiLU gating and the down product.
+//
+// The engine's Python layer runs the same ops one by one (layer_ops.cpp, blocked_linear.cpp); between
+// two of them the interpreter and PyTorch's dispatch cost microseconds each, and each matrix product
+// evicts their code and data from the caches, so at a few rows those gaps were a quarter of a pass.
+// Here nothing runs between the ops but the ops themselves, which are the same functions (kernels.h):
+// a layer's output is bitwise the Python layer's.
+#include <ATen/ATen.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+using reader_spec::CacheView;
+
+// One packed matrix: [blocks, in, 32] float32, or int8 with one float32 scale per column.
+struct Linear : torch::CustomClassHolder {
+  at::Tensor weight, scales, bias;
+  int64_t out_features;
+
+  Linear(at::Tensor weight, c10::optional<at::Tensor> scales, c10::optional<at::Tensor> bias, int64_t out_features)
+      : weight(std::move(weight)), out_features(out_features) {
+    TORCH_CHECK(this->weight.device().is_cpu() && this->weight.dim() == 3 && this->weight.size(2) == 32 &&
+                    this->weight.is_contiguous(),
+                "Linear: the weight must be a contiguous CPU [blocks, in, 32]");
+    const bool int8 = this->weight.scalar_type() == at::kChar;
+    TORCH_CHECK(int8 || this->weight.scalar_type() == at::kFloat, "Linear: float32 or int8 weights");
+    TORCH_CHECK(int8 == (scales.has_value() && scales->defined()), "Linear: int8 weights need scales, float32 none");
+    TORCH_CHECK(out_features <= this->weight.size(0) * 32, "Linear: out_features exceeds the blocks");
+    if (int8) {
+      this->scales = scales->contiguous();
+      TORCH_CHECK(this->scales.scalar_type() == at::kFloat && this->scales.numel() >= out_features,
+                  "Linear: one float32 scale per column");
+    }
+    if (bias.has_value() && bias->defined()) {
+      this->bias = bias->contiguous();
+      TORCH_CHECK(this->bias.scalar_type() == at::kFloat && this->bias.numel() == out_features,
+                  "Linear: one float32 bias per output");
+    }
+  }
+
+  int64_t in_features() const { return weight.size(1); }
+
+  // y = x W^T + b for `rows` rows: the compiled kernel, or where it loses at this many rows (float32
+  // only), PyTorch's batched matmul over the blocks, as PackedLinear runs it.
+  void operator()(const float* x, int64_t rows, float* y, bool compiled) const {
+    const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    if (scales.defined()) {
+      TORCH_CHECK(compiled, "Linear: int8 weights run through the compiled kernel only");
+      reader_spec::blocked_product(x, rows, weight.data_ptr<int8_t>(), in_features(), scales.data_ptr<float>(), b, y,
+                                   out_features);
+    } else if (compiled) {
+      reader_spec::blocked_product(x, rows, weight.data_ptr<float>(), in_features(), b, y, out_features);
+    } else {
+      const at::Tensor input = at::from_blob(const_cast<float*>(x), {rows, in_features()}, weight.options());
+      at::Tensor out = at::matmul(input, weight).transpose(0, 1).reshape({rows, -1}).narrow(1, 0, out_features);
+      if (bias.defined()) out = out + bias;
+      at::from_blob(y, {rows, out_features}, weight.options()).copy_(out);
+    }
+  }
+};
+
+at::Tensor checked_norm(const at::Tensor& weight, int64_t features, const char* name) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.numel() == features, name,
+              " must be a float32 CPU vector of ", features);
+  return weight.contiguous();
+}
+
+struct DecoderLayer : torch::CustomClassHolder {
+  at::Tensor input_norm, query_norm, key_norm, mlp_norm;
+  c10::intrusive_ptr<Linear> qkv, output, gate_up, down;
+  int64_t heads, kv_heads, head_dim, value_start, up_start, intermediate;
+  double epsilon, scaling;
+
+  // qkv's outputs: queries at 0, keys right after them, values at `value_start`; gate_up's: gate at
+  // 0, up at `up_start`, `intermediate` each.
+  DecoderLayer(at::Tensor input_norm, c10::optional<at::Tensor> query_norm, c10::optional<at::Tensor> key_norm,
+               at::Tensor mlp_norm, double epsilon, c10::intrusive_ptr<Linear> qkv, c10::intrusive_ptr<Linear> output,
+               c10::intrusive_ptr<Linear> gate_up, c10::intrusive_ptr<Linear> down, int64_t heads, int64_t kv_heads,
+               int64_t head_dim, int64_t value_start, int64_t up_start, int64_t intermediate, double scaling)
+      : qkv(std::move(qkv)),
+        output(std::move(output)),
+        gate_up(std::move(gate_up)),
+        down(std::move(down)),
+        heads(heads),
+        kv_heads(kv_heads),
+        head_dim(head_dim),
+        value_start(value_start),
+        up_start(up_start),
+        intermediate(intermediate),
+        epsilon(epsilon),
+        scaling(scaling) {
+    const int64_t hidden = this->output->out_features;
+    this->input_norm = checked_norm(input_norm, hidden, "input_norm");
+    this->mlp_norm = checked_norm(mlp_norm, hidden, "mlp_norm");
+    TORCH_CHECK(query_norm.has_value() == key_norm.has_value(), "query and key norms come together");
+    if (query_norm.has_value()) {
+      this->query_norm = checked_norm(*query_norm, head_dim, "query_norm");
+      this->key_norm = checked_norm(*key_norm, head_dim, "key_norm");
+    }
+    TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "heads must be a multiple of kv_heads, head_dim even");
+    TORCH_CHECK(this->qkv->in_features() == hidden && this->gate_up->in_features() == hidden &&
+                    this->output->in_features() == heads * head_dim && this->down->in_features() == intermediate &&
+                    this->down->out_features == hidden,
+                "the layer's matrices disagree on their sizes");
+    TORCH_CHECK(value_start >= (heads + kv_heads) * head_dim &&
+                    value_start + kv_heads * head_dim <= this->qkv->out_features &&
+                    up_start >= intermediate && up_start + intermediate <= this->gate_up->out_features,
+                "the parts of the fused products lie outside them");
+  }
+
+  // hidden: [tokens, hidden], the residual stream, to which `residual` (the previous layer's output,
+  // if any) is added in place. cos, sin: [tokens, head_dim]. Token t is written at (token_row[t],
+  // position[t]) of the cache and attends as `visible` says (see attend). Returns this layer's MLP
+  // output, which the next layer adds. `compiled`: for qkv, output, gate_up and down, whether the
+  // compiled kernel multiplies this many rows (PackedLinear.compiled_at).
+  at::Tensor forward(at::Tensor hidden, c10::optional<at::Tensor> residual, at::Tensor cos, at::Tensor sin,
+                     at::Tensor key_cache, at::Tensor value_cache, at::Tensor position, at::Tensor visible,
+                     at::Tensor token_tree, at::Tensor token_offset, at::Tensor token_row, c10::List<bool> compiled) {
+    TORCH_CHECK(compiled.size() == 4, "one compiled flag for each of qkv, output, gate_up and down");
+    const int64_t tokens = hidden.size(0), features = hidden.size(1);
+    TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.dim() == 2 &&
+                    features == input_norm.numel(),
+                "hidden must be a contiguous float32 [tokens, ", input_norm.numel(), "]");
+    at::Tensor added;
+    if (residual.has_value() && residual->defined()) {
+      added = residual->contiguous();
+      TORCH_CHECK(added.sizes() == hidden.sizes() && added.scalar_type() == at::kFloat, "residual must be like hidden");
+    }
+    TORCH_CHECK(key_cache.scalar_type() == at::kFloat && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                    key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
+                    key_cache.size(1) == kv_heads && key_cache.size(3) == head_dim,
+                "the caches must be contiguous float32 [rows, ", kv_heads, ", capacity, ", head_dim, "]");
+    const CacheView cache{key_cache.data_ptr<float>(), value_cache.data_ptr<float>(), key_cache.size(0), kv_heads,
+                          key_cache.size(2), head_dim};
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == tokens * head_dim &&
+                    sin.numel() == tokens * head_dim && cos.scalar_type() == at::kFloat,
+                "cos and sin must be contiguous float32 [tokens, head_dim]");
+    TORCH_CHECK(visible.scalar_type() == at::kBool && visible.dim() == 3 && visible.is_contiguous() &&
+                    visible.size(2) <= cache.capacity,
+                "visible must be contiguous [trees, width, kv_length] booleans within the cache");
+    for (const at::Tensor* t : {&position, &token_tree, &token_offset, &token_row}) {
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == tokens,
+                  "position, token_tree, token_offset and token_row: one long per token");
+    }
+    const int64_t* rows = token_row.data_ptr<int64_t>();
+    const int64_t* positions = position.data_ptr<int64_t>();
+    const int64_t* trees = token_tree.data_ptr<int64_t>();
+    const int64_t* offsets = token_offset.data_ptr<int64_t>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      TORCH_CHECK(rows[t] >= 0 && rows[t] < cache.rows && positions[t] >= 0 && positions[t] < visible.size(2) &&
+                      trees[t] >= 0 && trees[t] < visible.size(0) && offsets[t] >= 0 && offsets[t] < visible.size(1),
+                  "token ", t, " outside the cache or visible");
+    }
+    const at::TensorOptions options = hidden.options();
+    at::Tensor normed = at::empty({tokens, features}, options);
+    float* h = hidden.data_ptr<float>();
+    reader_spec::add_rms_norm_rows(h, added.defined() ? added.data_ptr<float>() : nullptr,
+                                   input_norm.data_ptr<float>(), epsilon, tokens, features, normed.data_ptr<float>());
+    at::Tensor projected = at::empty({tokens, qkv->out_features}, options);
+    float* p = projected.data_ptr<float>();
+    (*qkv)(normed.data_ptr<float>(), tokens, p, compiled.get(0));
+    at::Tensor queries = at::empty({tokens, heads, head_dim}, options);
+    for (int64_t t = 0; t < tokens; ++t) {
+      float* query_key = p + t * qkv->out_features;
+      if (query_norm.defined()) {  // in place, each head alone
+        reader_spec::add_rms_norm_rows(query_key, nullptr, query_norm.data_ptr<float>(), epsilon, heads, head_dim,
+                                       query_key);
+        reader_spec::add_rms_norm_rows(query_key + heads * head_dim, nullptr, key_norm.data_ptr<float>(), epsilon,
+                                       kv_heads, head_dim, query_key + heads * head_dim);
+      }
+      reader_spec::rotary_store_token(query_key, query_key + value_start, cos.data_ptr<float>() + t * head_dim,
+                                      sin.data_ptr<float>() + t * head_dim, heads, cache, rows[t], positions[t],
+                                      queries.data_ptr<float>() + t * heads * head_dim);
+    }
+    at::Tensor attended = at::empty({tokens, heads * head_dim}, options);
+    const reader_spec::Visibility visibility{visible.data_ptr<bool>(), visible.size(1), visible.size(2), trees,
+                                             offsets, rows};
+    reader_spec::attend(queries.data_ptr<float>(), tokens, heads, cache, visibility, static_cast<float>(scaling), 0.0f,
+                        attended.data_ptr<float>());
+    at::Tensor out = at::empty({tokens, features}, options);
+    (*output)(attended.data_ptr<float>(), tokens, out.data_ptr<float>(), compiled.get(1));
+    reader_spec::add_rms_norm_rows(h, out.data_ptr<float>(), mlp_norm.data_ptr<float>(), epsilon, tokens, features,
+                                   normed.data_ptr<float>());
+    at::Tensor gated = at::empty({tokens, gate_up->out_features}, options);
+    (*gate_up)(normed.data_ptr<float>(), tokens, gated.data_ptr<float>(), compiled.get(2));
+    at::Tensor activated = at::empty({tokens, intermediate}, options);
+    reader_spec::silu_mul_rows(gated.data_ptr<float>(), gated.data_ptr<float>() + up_start, gate_up->out_features,
+                               tokens, intermediate, activated.data_ptr<float>());
+    (*down)(activated.data_ptr<float>(), tokens, out.data_ptr<float>(), compiled.get(3));
+    return out;
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(reader_spec, m) {
+  m.class_<Linear>("Linear").def(
+      torch::init<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t>());
+  m.class_<DecoderLayer>("DecoderLayer")
+      .def(torch::init<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, at::Tensor, double,
+                       c10::intrusive_ptr<Linear>, c10::intrusive_ptr<Linear>, c10::intrusive_ptr<Linear>,
+                       c10::intrusive_ptr<Linear>, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double>())
+      .def("forward", &DecoderLayer::forward);
+}
