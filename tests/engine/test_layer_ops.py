@@ -101,3 +101,117 @@ def test_bad_operands_are_refused_with_a_reason(ops):
             torch.tensor([4]),
             2,
         )
+
+
+def reference_attention(query, keys, values, visible, token_tree, token_offset, token_row, scaling, softcap):
+    """Softmax attention of each query head over the keys its token sees, in float64."""
+    tokens, heads, dim = query.shape
+    group = heads // keys.shape[1]
+    out = torch.zeros(tokens, heads, dim, dtype=torch.float64)
+    for t in range(tokens):
+        sees = visible[token_tree[t], token_offset[t]]
+        kv_length = sees.shape[0]
+        for h in range(heads):
+            k = keys[token_row[t], h // group, :kv_length].double()
+            v = values[token_row[t], h // group, :kv_length].double()
+            scores = k @ query[t, h].double() * scaling
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            weights = torch.softmax(scores.masked_fill(~sees, float("-inf")), 0)
+            out[t, h] = weights @ v
+    return out
+
+
+def random_pass(widths, rows, heads, kv_heads, dim, capacity=40, seed=0):
+    """A pass of trees (``widths[i]`` tokens of tree i, in cache row ``rows[i]``) with random contexts
+    and random visibility (every token sees at least its first context key)."""
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(max(rows) + 1, kv_heads, capacity, dim, generator=generator)
+    values = torch.randn(max(rows) + 1, kv_heads, capacity, dim, generator=generator)
+    kv_length = capacity - 4
+    visible = torch.rand(len(widths), max(widths), kv_length, generator=generator) < 0.6
+    visible[..., 0] = True
+    token_tree = torch.arange(len(widths)).repeat_interleave(torch.tensor(widths))
+    token_offset = torch.cat([torch.arange(w) for w in widths])
+    token_row = torch.tensor(rows).repeat_interleave(torch.tensor(widths))
+    query = torch.randn(sum(widths), heads, dim, generator=generator)
+    return query, keys, values, visible, token_tree, token_offset, token_row
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, dim",
+    [(4, 2, 64), (6, 2, 128), (3, 1, 80), (4, 4, 8)],  # 80 and 8: lanes left over after the vectors
+)
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_attention_is_softmax_over_the_keys_each_token_sees(ops, heads, kv_heads, dim, softcap):
+    operands = random_pass([1, 7, 3, 12], [0, 2, 3, 5], heads, kv_heads, dim)
+    scaling = dim**-0.5
+    out = ops.attention(*operands, scaling, softcap)
+    expected = reference_attention(*operands, scaling, softcap)
+    assert (out.double() - expected).abs().max() < 1e-5
+
+
+def test_a_tree_token_attends_bitwise_as_in_plain_decoding(ops):
+    """A tree's node sees its context and its ancestors at scattered cache positions; plain decoding
+    sees the same keys side by side. The attention output must be the same bits, whatever else the
+    pass holds (several trees, a node among siblings, runs of tokens split across threads)."""
+    torch.manual_seed(4)
+    heads, kv_heads, dim, context = 6, 2, 64, 37
+    #           0   1  2  3  4  5  6  7  8: tree nodes; the path 0 -> 2 -> 5 -> 8
+    parents = [-1, 0, 0, 1, 2, 2, 3, 4, 5]
+    path = [0, 2, 5, 8]
+    nodes = len(parents)
+    capacity = context + nodes + 3
+    keys = torch.randn(2, kv_heads, capacity, dim)
+    values = torch.randn(2, kv_heads, capacity, dim)
+    query = torch.randn(nodes, heads, dim)
+    sees = torch.zeros(nodes, context + nodes, dtype=torch.bool)
+    sees[:, :context] = True
+    for node, parent in enumerate(parents):
+        sees[node, context + node] = True
+        while parent >= 0:
+            sees[node, context + parent] = True
+            parent = parents[parent]
+    # Row 1 holds the context and the path side by side, as plain decoding writes it.
+    keys[1, :, :context], values[1, :, :context] = keys[0, :, :context], values[0, :, :context]
+    for depth, node in enumerate(path):
+        keys[1, :, context + depth] = keys[0, :, context + node]
+        values[1, :, context + depth] = values[0, :, context + node]
+    tree = ops.attention(
+        query,
+        keys,
+        values,
+        sees[None],
+        torch.zeros(nodes, dtype=torch.long),
+        torch.arange(nodes),
+        torch.zeros(nodes, dtype=torch.long),
+        0.125,
+        0.0,
+    )
+    for depth, node in enumerate(path):
+        plain_sees = torch.zeros(1, 1, context + depth + 1, dtype=torch.bool)
+        plain_sees[..., :] = True
+        plain = ops.attention(
+            query[node : node + 1].contiguous(),
+            keys,
+            values,
+            plain_sees,
+            torch.zeros(1, dtype=torch.long),
+            torch.zeros(1, dtype=torch.long),
+            torch.ones(1, dtype=torch.long),
+            0.125,
+            0.0,
+        )
+        assert torch.equal(plain[0], tree[node])
+
+
+def test_attention_refuses_tokens_outside_its_operands(ops):
+    query, keys, values, visible, token_tree, token_offset, token_row = random_pass([2], [0], 4, 2, 16)
+    with pytest.raises(RuntimeError, match="outside"):
+        ops.attention(query, keys, values, visible, token_tree, token_offset + 5, token_row, 0.25, 0.0)
+    with pytest.raises(RuntimeError, match="booleans"):
+        ops.attention(query, keys, values, visible.float(), token_tree, token_offset, token_row, 0.25, 0.0)
+    with pytest.raises(RuntimeError, match="multiple"):
+        ops.attention(
+            query[:, :3].contiguous(), keys, values, visible, token_tree, token_offset, token_row, 0.25, 0.0
+        )

@@ -285,3 +285,65 @@ def test_the_forward_fingerprint_changes_with_the_code_a_pass_runs(monkeypatch, 
     finally:
         forward_fingerprint.cache_clear()
     assert len({without, *fingerprints}) == 3
+
+
+LLAMA_SHAPED = {"llama", "mistral", "phi3", "qwen2", "qwen3"}
+"""Families whose layers run whole as one compiled call (RMSNorm, SiLU, no norms after the blocks)."""
+
+
+class _CountingLayer:
+    """A compiled layer that counts its calls (to know the whole-layer path really ran)."""
+
+    def __init__(self, native):
+        self.native, self.calls = native, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.native.forward(*args)
+
+
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_whole_compiled_layers_compute_the_bits_of_the_layer_by_layer_path(family, weights):
+    """Prefill, ragged batches of trees and commits, through whole compiled layers and through the
+    ops one by one: the same logits, bit for bit (so either may run any pass of a request)."""
+    import numpy as np
+
+    from reader_spec.engine.runner import pack_weights
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
+    model.set_attn_implementation("eager" if family in EAGER_ONLY else "sdpa")
+    runners = []
+    for native in (True, False):
+        copied = copy.deepcopy(model)
+        if weights == "int8":
+            pack_weights(copied, "int8")
+        runner = ModelRunner(copied, num_rows=4, capacity=48, runner="fast")
+        if not runner.decoder.fused:
+            pytest.fail("the compiled kernels must build on this machine (make builds them)")
+        runner.decoder.native = native
+        runners.append(runner)
+    layers = runners[0].decoder.layers
+    assert all(layer.native is not None for layer in layers) == (family in LLAMA_SHAPED)
+    counters = []
+    for layer in layers:
+        if layer.native is not None:
+            layer.native = _CountingLayer(layer.native)
+            counters.append(layer.native)
+    rng = np.random.default_rng(3)
+    rows = [0, 1, 3]
+    for runner in runners:
+        for row, length in zip(rows, (9, 14, 5), strict=True):
+            runner.prefill(row, np.random.default_rng(row).integers(0, VOCAB, length).tolist())
+    for _ in range(3):
+        drafts = [random_tree_on_path(rng.integers(0, VOCAB, 4).tolist(), rng) for _ in rows]
+        trees = [tree for tree, _ in drafts]
+        kept = [path[: int(rng.integers(1, len(path) + 1))] for _, path in drafts]
+        outputs = [runner.verify(trees, rows) for runner in runners]
+        for native, layered in zip(*outputs, strict=True):
+            assert torch.equal(native, layered)
+        for runner in runners:
+            for row, path in zip(rows, kept, strict=True):
+                runner.cache.commit(row, path)
+    assert all(counter.calls > 0 for counter in counters)

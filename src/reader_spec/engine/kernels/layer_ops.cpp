@@ -111,6 +111,17 @@ struct AttentionScratch {
   std::vector<float> weights;
 };
 
+// Keys (and values) are fetched this many ahead of their use: each is a few cache lines at scattered
+// rows of the cache, which a batch's pass reads from memory (its rows are megabytes).
+constexpr int64_t kPrefetchKeys = 32;
+
+inline void prefetch_rows(const float* base, const int32_t* keys_seen, int64_t begin, int64_t end, int64_t dim) {
+  for (int64_t i = begin; i < end; ++i) {
+    const char* row = reinterpret_cast<const char*>(base + keys_seen[i] * dim);
+    for (int64_t line = 0; line < dim * static_cast<int64_t>(sizeof(float)); line += 64) __builtin_prefetch(row + line);
+  }
+}
+
 // Query heads whose value sums a thread keeps in registers at once: 16 vectors of sums.
 template <int kChunks>
 constexpr int kQueriesAtOnce = kChunks > 0 && kChunks <= 16 ? std::max(1, 16 / kChunks) : 1;
@@ -129,6 +140,7 @@ void weighted_values(const float* const* weights, const float* values, const int
   Vec16 sums[kAtOnce][kMaxChunks] = {};
   float totals[kAtOnce] = {};
   for (int64_t i = 0; i < n; ++i) {
+    if (i % kLanes == 0) prefetch_rows(values, keys_seen, i + kPrefetchKeys, std::min(n, i + kPrefetchKeys + kLanes), dim);
     const float* v = values + keys_seen[i] * dim;
     Vec16 value[kMaxChunks];
     for (int64_t c = 0; c < chunks; ++c) {
@@ -201,6 +213,7 @@ void attend_run(const float* query, int64_t tokens, int64_t heads, int64_t group
   for (int64_t first = 0; first < n; first += kLanes) {
     const float* k[kLanes];
     for (int64_t i = 0; i < kLanes; ++i) k[i] = first + i < n ? keys + keys_seen[first + i] * dim : zeros;
+    prefetch_rows(keys, keys_seen, first + kPrefetchKeys, std::min(n, first + kPrefetchKeys + kLanes), dim);
     for (int64_t q = 0; q < queries; ++q) {
       Vec16 block = scores_of<kChunks>(query + head_of(q), k, dim, scaling);
       if (softcap > 0) {
