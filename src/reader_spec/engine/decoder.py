@@ -86,9 +86,18 @@ class _Layer:
     """The whole layer as one compiled call (``DecoderLayer`` of :mod:`.kernels`), where it has the
     Llama shape and runs on a CPU in float32."""
 
+    compiled_by_rows: dict[int, list[bool]] = dataclasses.field(default_factory=dict)
+    """For each of :attr:`linears`, whether the compiled kernel multiplies that many rows."""
+
     @property
     def linears(self) -> tuple[PackedLinear, ...]:
         return self.qkv, self.output, self.gate_up, self.down
+
+    def compiled_at(self, rows: int) -> list[bool]:
+        flags = self.compiled_by_rows.get(rows)
+        if flags is None:
+            flags = self.compiled_by_rows[rows] = [linear.compiled_at(rows) for linear in self.linears]
+        return flags
 
     def __deepcopy__(self, memo: dict) -> _Layer:
         """A copy over the copied modules, its compiled layer built again (those cannot be copied)."""
@@ -259,7 +268,7 @@ class FastDecoder:
                     plan.token_tree,
                     plan.token_offset,
                     plan.token_row,
-                    [linear.compiled_at(tokens) for linear in layer.linears],
+                    layer.compiled_at(tokens),
                 )
                 continue
             hidden, normed = self._add_norm(hidden, residual, layer.input_norm)
