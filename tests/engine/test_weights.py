@@ -21,7 +21,7 @@ def kernel(request, monkeypatch):
     """Force one kernel for every row count (the engine picks per shape and row count by timing)."""
     if request.param == "compiled" and not kernels.available():
         pytest.fail("the compiled kernels must build on this machine (make builds them)")
-    monkeypatch.setattr(weights, "_compiled_wins", lambda weight, rows: request.param == "compiled")
+    monkeypatch.setattr(weights, "_compiled_wins", lambda weights, rows: request.param == "compiled")
     return request.param
 
 
@@ -325,3 +325,32 @@ def test_the_kernel_library_is_loaded_once_whatever_the_cache_directory_says(mon
         assert not (tmp_path / "kernels").exists()
     finally:
         kernels.available.cache_clear()
+
+
+def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_near_ties(monkeypatch):
+    """Timing reads each matrix of the shape once per round, as a pass does; the batched matmul runs a
+    row bucket only where it timed clearly faster (a pass favours the compiled kernel, see
+    ``BATCHED_MARGIN``)."""
+    if not kernels.available():
+        pytest.fail("the compiled kernels must build on this machine (make builds them)")
+    packed = [pack_linears([linear(64, 40, bias=False, seed=s)])[0] for s in range(3)]
+    other = pack_linears([linear(32, 40, bias=False, seed=9)])[0]
+    weights.time_together([*packed, other])
+    assert all(p.same_shape == [q.weight for q in packed] for p in packed) and other.same_shape == [
+        other.weight
+    ]
+    calls = []
+
+    def timed(calls_to_time, rounds=5):
+        for call in calls_to_time:
+            calls.append(call)
+        return [1.05, 1.0] if len(calls) <= 2 * 4 else [1.2, 1.0]  # the first four buckets: near ties
+
+    monkeypatch.setattr(weights, "_CHOICES", {})
+    monkeypatch.setattr(weights, "best_times", timed)
+    seen = []
+    monkeypatch.setattr(torch.ops.reader_spec, "blocked_linear", lambda x, w, **kwargs: seen.append(w))
+    assert packed[0].compiled_at(1) and packed[1].compiled_at(8)
+    assert not packed[2].compiled_at(16) and not packed[0].compiled_at(64)
+    calls[0]()  # one round of the compiled kernel reads every matrix of the shape
+    assert seen == [p.weight for p in packed]

@@ -39,7 +39,13 @@ from reader_spec.engine.attention import PackedLayout, additive, packed
 from reader_spec.engine.greedy_head import GreedyHead
 from reader_spec.engine.kv_cache import RaggedKVCache, RaggedLayer
 from reader_spec.engine.memory import PageArena
-from reader_spec.engine.weights import ROW_BUCKETS, PackedLinear, pack_linears, packed_bytes
+from reader_spec.engine.weights import (
+    ROW_BUCKETS,
+    PackedLinear,
+    pack_linears,
+    packed_bytes,
+    time_together,
+)
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 """``model_type`` values the fast decoder runs; the rest use transformers' forward."""
@@ -165,6 +171,7 @@ class FastDecoder:
             self._pack_layer(layer, kind)
             for layer, kind in zip(core.layers, _kinds(model.config), strict=True)
         ]
+        time_together([self.lm_head, *(linear for layer in self.layers for linear in layer.linears)])
         self.attend = packed(self._attention)
         self.fused = _on_cpu(model) and kernels.available()
         """Whether the small operators between the products run as the compiled ops of

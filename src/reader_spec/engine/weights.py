@@ -37,6 +37,11 @@ from reader_spec.engine.memory import PageArena, release_file_pages
 BLOCK = kernels.BLOCK
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 """Row counts at which the kernels are timed; a pass uses the choice of the next bucket up."""
+BATCHED_MARGIN = 1.1
+"""The batched matmul runs a row bucket only where it timed at least this much faster: timed products
+run back to back, while in a pass each follows other work, and there the compiled kernel did better
+than timed (whole passes, 12-24 rows: 1-5% faster on the compiled kernel where timing chose the
+batched matmul; docs/runner.md)."""
 WEIGHT_FORMATS = ("float32", "int8")
 """How :func:`pack_linears` stores a matrix: ``float32``, the model's own weights, unquantized (blocked
 where they are float32 on a CPU, other dtypes and devices as they are); ``int8``, symmetric per output
@@ -71,6 +76,8 @@ class PackedLinear(nn.Module):
         self.parts = tuple(parts) or ((0, out_features),)
         self._compiled_by_rows: dict[int, bool] = {}
         """Whether the compiled kernel runs a product of that many rows (:func:`_compiled_wins`)."""
+        self.same_shape: list[torch.Tensor] = [self.weight]
+        """The matrices the kernels are timed on for this shape (:func:`time_together`)."""
 
     @property
     def weight_format(self) -> str:
@@ -94,7 +101,7 @@ class PackedLinear(nn.Module):
         """Whether the compiled kernel multiplies ``rows`` rows (blocked matrices; timed once per shape)."""
         compiled = self._compiled_by_rows.get(rows)
         if compiled is None:  # once per row count: a pass runs 100-200 products, each a few us of Python
-            compiled = self._compiled_by_rows[rows] = self.blocked and _compiled_wins(self.weight, rows)
+            compiled = self._compiled_by_rows[rows] = self.blocked and _compiled_wins(self.same_shape, rows)
         return compiled
 
     def _forward_int8(self, x: torch.Tensor, rows: int, compiled: bool) -> torch.Tensor:
@@ -269,45 +276,70 @@ def packed_bytes(module: nn.Linear | PackedLinear, weights: str) -> int:
 _CHOICES: dict[tuple[int, int], dict[int, bool]] = {}
 
 
-def _compiled_wins(weight: torch.Tensor, rows: int) -> bool:
-    """Whether the compiled kernel beats the batched matmul for this shape and row count (timed once).
+def time_together(linears: Sequence[PackedLinear]) -> None:
+    """Have the kernels for each shape among ``linears`` timed on all its matrices, each read once per
+    round, as a pass reads them: one matrix timed alone stays in the caches, where the batched matmul
+    looked faster than in a pass (12-24 rows: 1-5% slower passes with its choices, 2026-11-25)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for linear in linears:
+        groups.setdefault((tuple(linear.weight.shape), linear.weight.dtype), []).append(linear.weight)
+    for linear in linears:
+        linear.same_shape = groups[(tuple(linear.weight.shape), linear.weight.dtype)]
+
+
+def _compiled_wins(weights: Sequence[torch.Tensor], rows: int) -> bool:
+    """Whether the compiled kernel beats the batched matmul for this shape and row count (timed once
+    per process, on ``weights``, every matrix of that shape).
 
     int8 weights: up to the last row bucket, whenever it is built (measured: the batched matmul first
     converts the whole matrix to float, 2 to 25 times slower at 1 to 64 rows); beyond, where that
     conversion is paid once for many rows, the batched matmul, as for float32.
     """
-    if weight.dtype == torch.int8:
+    if weights[0].dtype == torch.int8:
         return rows <= ROW_BUCKETS[-1] and kernels.available()
-    key = (weight.shape[0], weight.shape[1])
+    key = (weights[0].shape[0], weights[0].shape[1])
     choices = _CHOICES.get(key)
     if choices is None:
-        choices = _CHOICES[key] = _time_kernels(weight) if kernels.available() else {}
+        choices = _CHOICES[key] = _time_kernels(weights) if kernels.available() else {}
     bucket = next((b for b in ROW_BUCKETS if b >= rows), None)
     return choices.get(bucket, False)
 
 
-def _time_kernels(weight: torch.Tensor) -> dict[int, bool]:
-    """Whether the compiled kernel is the faster at each row bucket. Inputs come from a private
-    generator: the first pass of a process must not move the caller's random state (seeded sampling)."""
+def _time_kernels(weights: Sequence[torch.Tensor]) -> dict[int, bool]:
+    """Whether the compiled kernel is the faster at each row bucket, over all ``weights`` in turn.
+    Inputs come from a private generator: the first pass of a process must not move the caller's
+    random state (seeded sampling)."""
     blocked_linear = torch.ops.reader_spec.blocked_linear
-    out_features = weight.shape[0] * BLOCK
+    out_features = weights[0].shape[0] * BLOCK
     generator = torch.Generator().manual_seed(0)
     choices = {}
+
+    def each(product: Callable[[torch.Tensor], object]) -> Callable[[], None]:
+        return lambda: [product(weight) for weight in weights]
+
     with torch.inference_mode():
         for rows in ROW_BUCKETS:
-            x = torch.randn(rows, weight.shape[1], generator=generator)
-            compiled = functools.partial(blocked_linear, x, weight, None, out_features)
-            choices[rows] = fastest([compiled, functools.partial(torch.matmul, x, weight)]) == 0
+            x = torch.randn(rows, weights[0].shape[1], generator=generator)
+            compiled = each(functools.partial(blocked_linear, x, bias=None, out_features=out_features))
+            batched = each(functools.partial(torch.matmul, x))
+            compiled_time, batched_time = best_times([compiled, batched])
+            choices[rows] = compiled_time <= BATCHED_MARGIN * batched_time
     return choices
 
 
 def fastest(calls: Sequence[Callable[[], object]], rounds: int = 5) -> int:
-    """Index of the fastest call (the first among equals). Calls alternate, so that load from elsewhere
-    hits them alike, and each call's fastest round counts."""
+    """Index of the fastest call (the first among equals)."""
+    times = best_times(calls, rounds)
+    return times.index(min(times))
+
+
+def best_times(calls: Sequence[Callable[[], object]], rounds: int = 5) -> list[float]:
+    """Each call's fastest round, in seconds. Calls alternate, so that load from elsewhere hits them
+    alike."""
     best = [float("inf")] * len(calls)
     for _ in range(rounds):
         for i, call in enumerate(calls):
             start = time.perf_counter()
             call()
             best[i] = min(best[i], time.perf_counter() - start)
-    return best.index(min(best))
+    return best
