@@ -342,9 +342,8 @@ def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_
     calls = []
 
     def timed(calls_to_time, rounds=5):
-        for call in calls_to_time:
-            calls.append(call)
-        return [1.05, 1.0] if len(calls) <= 2 * 4 else [1.2, 1.0]  # the first four buckets: near ties
+        calls.append((calls_to_time, rounds))
+        return [1.05, 1.0] if len(calls) <= 2 else [1.2, 1.0]  # the first two buckets timed: near ties
 
     monkeypatch.setattr(weights, "_CHOICES", {})
     monkeypatch.setattr(weights, "best_times", timed)
@@ -352,5 +351,12 @@ def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_
     monkeypatch.setattr(torch.ops.reader_spec, "blocked_linear", lambda x, w, **kwargs: seen.append(w))
     assert packed[0].compiled_at(1) and packed[1].compiled_at(8)
     assert not packed[2].compiled_at(16) and not packed[0].compiled_at(64)
-    calls[0]()  # one round of the compiled kernel reads every matrix of the shape
+    assert len(calls) == 4 and not packed[1].compiled_at(50)  # each bucket timed once, when first needed
+    assert len(calls) == 4
+    calls[0][0][0]()  # one round of the compiled kernel reads every matrix of the shape
     assert seen == [p.weight for p in packed]
+    seen.clear()
+    assert not packed[2].compiled_at(300)  # bucket 512: compute-bound, one matrix in fewer rounds
+    calls[-1][0][0]()
+    assert seen == [packed[0].weight] and calls[-1][1] < 5
+    assert not packed[0].compiled_at(weights.ROW_BUCKETS[-1] + 1) and len(calls) == 5  # beyond: batched

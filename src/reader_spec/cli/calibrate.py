@@ -15,6 +15,8 @@ from reader_spec.drafters import ReaderDrafter
 from reader_spec.engine.loop import DEFAULT_BUDGET, Engine
 
 SHOWN_DRAFTS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+FLOOR_WIDTHS = 32
+"""Batch 1's pass widths printed against the floor: 1 to this many tokens."""
 
 
 def add_parser(commands) -> None:
@@ -56,13 +58,13 @@ def run(args: argparse.Namespace) -> int:
         ]
         per_token = (costs.seconds(batch, 0, LONG_CONTEXT) - plain) / (LONG_CONTEXT - PROBE_CONTEXT)
         print(f"batch {batch:>3}: {'  '.join(cells)}  | context {1e6 * per_token:.2f}")
-    _print_floor(engine, args.budget)
+    _print_floor(engine)
     return 0
 
 
-def _print_floor(engine: Engine, budget: int) -> None:
-    """Batch 1's curve beside this machine's floor for each pass width."""
-    from reader_spec.budget.probe import measure_floor
+def _print_floor(engine: Engine) -> None:
+    """Batch 1's passes of 1 to ``FLOOR_WIDTHS`` tokens, timed now, beside this machine's floor for each."""
+    from reader_spec.budget.probe import measure_floor, probe_verify
 
     floor = measure_floor(engine.model)
     print(
@@ -70,10 +72,11 @@ def _print_floor(engine: Engine, budget: int) -> None:
         f"of weights at {floor.bytes_per_second / 1e9:.1f} GB/s read, "
         f"{floor.parameters / 1e6:.1f}M parameters at {floor.flops_per_second / 1e9:.0f} GFLOP/s"
     )
-    print("tokens in a pass at batch 1: measured ms / floor ms (ratio)")
+    print(f"tokens in a pass at batch 1, {PROBE_CONTEXT} tokens of context: measured ms / floor ms (ratio)")
+    passes = probe_verify(engine.model, 1, range(FLOOR_WIDTHS), PROBE_CONTEXT, engine.runner_name)
     cells = []
-    for tokens in range(1, budget + 2):
-        measured, least = engine.costs.seconds(1, tokens - 1), floor.seconds(tokens)
-        cells.append(f"{tokens}: {1e3 * measured:.1f}/{1e3 * least:.1f} ({measured / least:.2f})")
-    for start in range(0, len(cells), 6):
-        print("  ".join(cells[start : start + 6]))
+    for drafted, measured in passes.items():
+        least = floor.seconds(drafted + 1)
+        cells.append(f"{drafted + 1}: {1e3 * measured:.1f}/{1e3 * least:.1f} ({measured / least:.2f})")
+    for start in range(0, len(cells), 8):
+        print("  ".join(cells[start : start + 8]))

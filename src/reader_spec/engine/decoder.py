@@ -39,13 +39,7 @@ from reader_spec.engine.attention import PackedLayout, additive, packed
 from reader_spec.engine.greedy_head import GreedyHead
 from reader_spec.engine.kv_cache import RaggedKVCache, RaggedLayer
 from reader_spec.engine.memory import PageArena
-from reader_spec.engine.weights import (
-    ROW_BUCKETS,
-    PackedLinear,
-    pack_linears,
-    packed_bytes,
-    time_together,
-)
+from reader_spec.engine.weights import PackedLinear, pack_linears, packed_bytes, time_together
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 """``model_type`` values the fast decoder runs; the rest use transformers' forward."""
@@ -53,10 +47,10 @@ FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """Rotary embeddings that depend on the position only, so one table serves every pass."""
 
-NATIVE_ROWS = ROW_BUCKETS[-1]
-"""The most tokens of a pass that the compiled attention and whole compiled layers run. Beyond, the
-products' batched matmul and PyTorch's attention kernel share the work better between cores
-(``docs/runner.md``)."""
+NATIVE_ROWS = 64
+"""The most tokens of a pass that the compiled attention and whole compiled layers run. Beyond (a
+prompt's chunks), PyTorch's attention kernel shares hundreds of rows better between cores
+(``docs/runner.md``), and each product takes the faster of its kernels."""
 
 
 def supports(model: PreTrainedModel) -> bool:

@@ -35,8 +35,14 @@ from reader_spec.engine import kernels
 from reader_spec.engine.memory import PageArena, release_file_pages
 
 BLOCK = kernels.BLOCK
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-"""Row counts at which the kernels are timed; a pass uses the choice of the next bucket up."""
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+"""Row counts at which the kernels are timed; a pass uses the choice of the next bucket up (larger
+passes, the batched matmul). The largest covers a prompt's chunk (``runner.PREFILL_CHUNK``): PyTorch's
+batched matmul is near this CPU's matrix rate on some processors and far below it on others (2.5x
+slower than the compiled kernel at 32-512 rows on an AMD EPYC, docs/runner.md)."""
+COMPUTE_BOUND_ROWS = 128
+"""From this many rows a product is bound by arithmetic, not by reading its matrix: the kernels are
+timed on one matrix of the shape, which caches cannot flatter, in fewer rounds."""
 BATCHED_MARGIN = 1.1
 """The batched matmul runs a row bucket only where it timed at least this much faster: timed products
 run back to back, while in a pass each follows other work, and there the compiled kernel did better
@@ -289,7 +295,7 @@ def time_together(linears: Sequence[PackedLinear]) -> None:
 
 def _compiled_wins(weights: Sequence[torch.Tensor], rows: int) -> bool:
     """Whether the compiled kernel beats the batched matmul for this shape and row count (timed once
-    per process, on ``weights``, every matrix of that shape).
+    per process and row bucket, when a pass first needs it, on ``weights``, every matrix of that shape).
 
     int8 weights: up to the last row bucket, whenever it is built (measured: the batched matmul first
     converts the whole matrix to float, 2 to 25 times slower at 1 to 64 rows); beyond, where that
@@ -297,34 +303,34 @@ def _compiled_wins(weights: Sequence[torch.Tensor], rows: int) -> bool:
     """
     if weights[0].dtype == torch.int8:
         return rows <= ROW_BUCKETS[-1] and kernels.available()
-    key = (weights[0].shape[0], weights[0].shape[1])
-    choices = _CHOICES.get(key)
-    if choices is None:
-        choices = _CHOICES[key] = _time_kernels(weights) if kernels.available() else {}
     bucket = next((b for b in ROW_BUCKETS if b >= rows), None)
-    return choices.get(bucket, False)
+    if bucket is None or not kernels.available():
+        return False
+    choices = _CHOICES.setdefault((weights[0].shape[0], weights[0].shape[1]), {})
+    if bucket not in choices:
+        choices[bucket] = _time_kernels(weights, bucket)
+    return choices[bucket]
 
 
-def _time_kernels(weights: Sequence[torch.Tensor]) -> dict[int, bool]:
-    """Whether the compiled kernel is the faster at each row bucket, over all ``weights`` in turn.
-    Inputs come from a private generator: the first pass of a process must not move the caller's
-    random state (seeded sampling)."""
+def _time_kernels(weights: Sequence[torch.Tensor], rows: int) -> bool:
+    """Whether the compiled kernel is the faster at ``rows`` rows, over all ``weights`` in turn (one
+    of them where products are compute-bound). Inputs come from a private generator: the first pass
+    of a process must not move the caller's random state (seeded sampling)."""
     blocked_linear = torch.ops.reader_spec.blocked_linear
     out_features = weights[0].shape[0] * BLOCK
+    compute_bound = rows >= COMPUTE_BOUND_ROWS
+    timed = weights[:1] if compute_bound else weights
     generator = torch.Generator().manual_seed(0)
-    choices = {}
 
     def each(product: Callable[[torch.Tensor], object]) -> Callable[[], None]:
-        return lambda: [product(weight) for weight in weights]
+        return lambda: [product(weight) for weight in timed]
 
     with torch.inference_mode():
-        for rows in ROW_BUCKETS:
-            x = torch.randn(rows, weights[0].shape[1], generator=generator)
-            compiled = each(functools.partial(blocked_linear, x, bias=None, out_features=out_features))
-            batched = each(functools.partial(torch.matmul, x))
-            compiled_time, batched_time = best_times([compiled, batched])
-            choices[rows] = compiled_time <= BATCHED_MARGIN * batched_time
-    return choices
+        x = torch.randn(rows, weights[0].shape[1], generator=generator)
+        compiled = each(functools.partial(blocked_linear, x, bias=None, out_features=out_features))
+        batched = each(functools.partial(torch.matmul, x))
+        compiled_time, batched_time = best_times([compiled, batched], rounds=3 if compute_bound else 5)
+    return compiled_time <= BATCHED_MARGIN * batched_time
 
 
 def fastest(calls: Sequence[Callable[[], object]], rounds: int = 5) -> int:
