@@ -172,24 +172,29 @@ def test_an_int8_module_saves_and_looks_up_the_dequantized_matrix():
     assert "int8" in repr(packed) and "float32" in repr(pack_linears([linear(8, 4, False, 0)])[0])
 
 
-def test_int8_rows_do_not_depend_on_the_rest_of_the_pass():
-    """The compiled int8 op sums each column over k in order, whatever the tile: a row's outputs are
-    the same alone, among 2 or 3 rows (two blocks side by side), among 11, on 1 or 2 threads."""
+@pytest.mark.parametrize("weight_format", ["float32", "int8"])
+def test_rows_do_not_depend_on_the_rest_of_the_pass(weight_format):
+    """The compiled ops sum each column over k in order, whatever the tile: a row's outputs are the
+    same alone, among 2 or 3 rows (int8: two blocks side by side), in a full register tile, in several
+    tiles, on 1 or 2 threads."""
     if not kernels.available():
         pytest.fail("the compiled kernels must build on this machine (make builds them)")
     module = linear(157, 64, bias=True, seed=6)  # 5 blocks, the last partial: an unpaired one
-    packed, _ = pack_linears([module], weights="int8")
-    x = torch.randn(11, 64)
+    packed, _ = pack_linears([module], weights=weight_format)
+    x = torch.randn(27, 64)
 
     def run(rows):
-        return torch.ops.reader_spec.blocked_linear_int8(rows, packed.weight, packed.scales, packed.bias, 157)
+        ops = torch.ops.reader_spec
+        if weight_format == "int8":
+            return ops.blocked_linear_int8(rows, packed.weight, packed.scales, packed.bias, 157)
+        return ops.blocked_linear(rows, packed.weight, packed.bias, 157)
 
     together = run(x)
     threads = torch.get_num_threads()
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
-            for start, stop in [(0, 1), (4, 5), (10, 11), (0, 2), (3, 6), (1, 9)]:
+            for start, stop in [(0, 1), (4, 5), (26, 27), (0, 2), (3, 6), (1, 9), (0, 12), (5, 18), (2, 27)]:
                 assert torch.equal(run(x[start:stop]), together[start:stop])
     finally:
         torch.set_num_threads(threads)

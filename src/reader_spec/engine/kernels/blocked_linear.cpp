@@ -34,7 +34,7 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kPrefetchBytes = 3072;  // how far ahead in a block (24 k of float32, 96 of int8)
 typedef float Vec16 __attribute__((vector_size(64)));
 #ifdef __AVX512F__
-constexpr int kMaxRows = 8;     // 16 accumulators + 2 weight vectors of the 32 zmm registers
+constexpr int kMaxRows = 12;    // 24 accumulators + 2 weight vectors of the 32 zmm registers
 constexpr int kPairedRows = 3;  // two blocks side by side: 12 accumulators + 4 weight vectors
 #else
 constexpr int kMaxRows = 3;  // AVX2: each Vec16 is two ymm registers
