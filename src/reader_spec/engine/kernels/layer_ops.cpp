@@ -108,8 +108,18 @@ constexpr int64_t kMaxHeadDim = 256;
 struct AttentionScratch {
   std::vector<char> seen_by_any;
   std::vector<int32_t> keys;
+  std::vector<int8_t> sees;  // per token of the run: 1 where it sees the run's i-th key, 0 elsewhere
   std::vector<float> weights;
 };
+
+typedef int8_t Byte16 __attribute__((vector_size(16)));
+
+// Lanes of 16 bytes that are not 0, as a lane mask (-1 or 0).
+inline Int16 nonzero(const int8_t* p) {
+  Byte16 bytes;
+  std::memcpy(&bytes, p, sizeof(bytes));
+  return __builtin_convertvector(bytes, Int16) != 0;
+}
 
 // Keys (and values) are fetched this many ahead of their use: each is a few cache lines at scattered
 // rows of the cache, which a batch's pass reads from memory (its rows are megabytes).
@@ -222,19 +232,26 @@ void attend_run(const float* query, int64_t tokens, int64_t heads, int64_t group
       store(scratch.weights.data() + q * stride + first, block);
     }
   }
-  // Scores to weights: exp(score - the largest score the query sees), 0 for keys it does not see.
+  // Scores to weights: exp(score - the largest score the query sees), 0 for keys it does not see,
+  // sixteen keys at a time (a maximum does not depend on the order it is taken in).
+  scratch.sees.assign(tokens * stride, 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t i = 0; i < n; ++i) scratch.sees[t * stride + i] = visible[t][keys_seen[i]];
+  }
+  const Vec16 lowest = splat(-std::numeric_limits<float>::infinity());
   for (int64_t q = 0; q < queries; ++q) {
-    const bool* sees = visible[q / group];
+    const int8_t* sees = scratch.sees.data() + (q / group) * stride;
     float* weights = scratch.weights.data() + q * stride;
-    float best = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) {
-      if (sees[keys_seen[i]]) best = std::max(best, weights[i]);
+    Vec16 largest = lowest;
+    for (int64_t first = 0; first < n; first += kLanes) {
+      const Vec16 scores = load(weights + first);
+      largest = nonzero(sees + first) && scores > largest ? scores : largest;
     }
+    float best = -std::numeric_limits<float>::infinity();
+    for (int lane = 0; lane < kLanes; ++lane) best = std::max(best, largest[lane]);
     for (int64_t first = 0; first < n; first += kLanes) {
       const Vec16 exponentials = exp16(load(weights + first) - best);
-      for (int64_t i = first; i < std::min(first + kLanes, n); ++i) {
-        weights[i] = sees[keys_seen[i]] ? exponentials[i - first] : 0.0f;
-      }
+      store(weights + first, nonzero(sees + first) ? exponentials : Vec16{});
     }
   }
   constexpr int kAtOnce = kQueriesAtOnce<kChunks>;
