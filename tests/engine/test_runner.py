@@ -18,6 +18,7 @@ from transformers import (
     Qwen3Config,
 )
 
+import reader_spec.engine.decoder as decoder_module
 import reader_spec.engine.runner as runner_module
 from reader_spec.engine.attention import PACKED_EAGER, PACKED_SDPA
 from reader_spec.engine.runner import ModelRunner, sliding_window_of
@@ -224,6 +225,29 @@ def test_chunked_prefill_matches(model, monkeypatch):
     runner.prefill(0, tokens[:-1])
     logits = runner.verify([DraftTree(tokens[-1:], [-1])], [0])[0]
     assert (logits[0] - full_logits(model, tokens)[-1]).abs().max() < TOL
+
+
+@pytest.mark.parametrize("compiled_attention", [True, False])
+def test_a_prompt_chunk_matches_with_either_attention(model, compiled_attention, monkeypatch):
+    """A chunk longer than ``NATIVE_ROWS`` runs the compiled attention and whole layers where they timed
+    faster than PyTorch's kernel, else the layer-by-layer path: both give transformers' logits."""
+    import numpy as np
+
+    monkeypatch.setattr(decoder_module, "compiled_attention_wins", lambda *args: compiled_attention)
+    planned, plan = [], decoder_module.FastDecoder._plan
+
+    def planning(self, cache, widths, *args):
+        planned.append(sum(widths))
+        return plan(self, cache, widths, *args)
+
+    monkeypatch.setattr(decoder_module.FastDecoder, "_plan", planning)
+    tokens = np.random.default_rng(5).integers(0, VOCAB, decoder_module.NATIVE_ROWS + 40).tolist()
+    runner = make_runner(model, num_rows=1, capacity=128)
+    runner.prefill(0, tokens[:-1])
+    logits = runner.verify([DraftTree(tokens[-1:], [-1])], [0])[0]
+    assert (logits[0] - full_logits(model, tokens)[-1]).abs().max() < TOL
+    if model.runner == "fast":
+        assert (max(planned) > decoder_module.NATIVE_ROWS) == compiled_attention
 
 
 def test_steps_write_in_place_without_reallocating(model):

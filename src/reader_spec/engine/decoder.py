@@ -39,7 +39,14 @@ from reader_spec.engine.attention import PackedLayout, additive, packed
 from reader_spec.engine.greedy_head import GreedyHead
 from reader_spec.engine.kv_cache import RaggedKVCache, RaggedLayer
 from reader_spec.engine.memory import PageArena
-from reader_spec.engine.weights import PackedLinear, pack_linears, packed_bytes, time_together
+from reader_spec.engine.weights import (
+    ROW_BUCKETS,
+    PackedLinear,
+    best_times,
+    pack_linears,
+    packed_bytes,
+    time_together,
+)
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 """``model_type`` values the fast decoder runs; the rest use transformers' forward."""
@@ -48,9 +55,10 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 """Rotary embeddings that depend on the position only, so one table serves every pass."""
 
 NATIVE_ROWS = 64
-"""The most tokens of a pass that the compiled attention and whole compiled layers run. Beyond (a
-prompt's chunks), PyTorch's attention kernel shares hundreds of rows better between cores
-(``docs/runner.md``), and each product takes the faster of its kernels."""
+"""Passes of up to this many tokens (plain steps, trees, batches) always run the compiled attention
+and whole compiled layers. Larger ones (a prompt's chunks) run them where the compiled attention timed
+faster than PyTorch's kernel for a prompt of that size (:func:`compiled_attention_wins`): PyTorch's
+shares hundreds of rows better between cores on some CPUs, not on others (``docs/runner.md``)."""
 
 
 def supports(model: PreTrainedModel) -> bool:
@@ -248,7 +256,8 @@ class FastDecoder:
             kind: self._rotary(hidden, positions, kind) for kind in {layer.kind for layer in self.layers}
         }
         tokens = input_ids.shape[0]
-        plan = self._plan(cache, widths, masks, hidden) if self.fused and tokens <= NATIVE_ROWS else None
+        compiled = self.fused and self._runs_compiled(tokens)
+        plan = self._plan(cache, widths, masks, hidden) if compiled else None
         if plan is None:
             masks = additive(masks, hidden.dtype)
         native = plan is not None and self.native and self._native_runs(rotary)
@@ -317,6 +326,13 @@ class FastDecoder:
         token_offset = torch.arange(int(sizes.sum())) - starts.repeat_interleave(sizes)
         visible = {kind: mask[:, 0].contiguous() for kind, mask in masks.items()}
         return _Plan(token_row, position, token_tree, token_offset, visible)
+
+    def _runs_compiled(self, tokens: int) -> bool:
+        """Whether a pass of ``tokens`` tokens runs the compiled attention (and whole layers)."""
+        if tokens <= NATIVE_ROWS:
+            return True
+        kv_heads = self.layers[0].qkv.parts[1][1] // self.head_dim
+        return compiled_attention_wins(self.layers[0].heads, kv_heads, self.head_dim, tokens)
 
     def _native_runs(self, rotary: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether this pass's layers can run whole: the rotary embedding turns whole heads."""
@@ -458,6 +474,47 @@ class FastDecoder:
             )
         cos, sin = table
         return cos[:, positions], sin[:, positions]
+
+
+_ATTENTION_CHOICES: dict[tuple[int, int, int, int], bool] = {}
+
+
+def compiled_attention_wins(heads: int, kv_heads: int, head_dim: int, tokens: int) -> bool:
+    """Whether the compiled attention beats PyTorch's kernel on a prompt of ``tokens`` tokens, for this
+    head layout (timed once per process and row bucket, when a pass first needs it; beyond the last
+    bucket, PyTorch's)."""
+    bucket = next((b for b in ROW_BUCKETS if b >= tokens), None)
+    if bucket is None:
+        return False
+    key = (heads, kv_heads, head_dim, bucket)
+    if key not in _ATTENTION_CHOICES:
+        _ATTENTION_CHOICES[key] = _time_attention(heads, kv_heads, head_dim, bucket)
+    return _ATTENTION_CHOICES[key]
+
+
+def _time_attention(heads: int, kv_heads: int, head_dim: int, tokens: int) -> bool:
+    """Both kernels on one causal prompt, as each path calls them (inputs from a private generator:
+    the first pass of a process must not move the caller's random state)."""
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(tokens, heads, head_dim, generator=generator)
+    keys, values = torch.randn(2, 1, kv_heads, tokens, head_dim, generator=generator)
+    causal = torch.ones(1, tokens, tokens, dtype=torch.bool).tril_()
+    zeros, offsets = torch.zeros(tokens, dtype=torch.long), torch.arange(tokens)
+    mask = additive({"causal": causal[:, None]}, query.dtype)["causal"]
+    group, scaling = heads // kv_heads, head_dim**-0.5
+
+    def compiled() -> None:
+        torch.ops.reader_spec.attention(query, keys, values, causal, zeros, offsets, zeros, scaling, 0.0)
+
+    def pytorch() -> None:
+        repeated_keys, repeated_values = (t.repeat_interleave(group, dim=1) for t in (keys, values))
+        nn.functional.scaled_dot_product_attention(
+            query.transpose(0, 1)[None], repeated_keys, repeated_values, attn_mask=mask, scale=scaling
+        )
+
+    with torch.inference_mode():
+        compiled_time, pytorch_time = best_times([compiled, pytorch], rounds=3)
+    return compiled_time <= pytorch_time
 
 
 def _on_cpu(model: PreTrainedModel) -> bool:
