@@ -31,7 +31,10 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kPrefetchBytes = 3072;  // how far ahead in a block (24 k of float32, 96 of int8)
+// How far ahead in a block a tile of R rows requests its weights: about the memory's latency ahead, so
+// further for more rows, which spend longer on each k (1 row: 24 k of float32, 12 rows: 96 k).
+template <int R>
+constexpr int64_t kPrefetchBytes = std::max<int64_t>(3072, 1024 * R);
 typedef float Vec16 __attribute__((vector_size(64)));
 #ifdef __AVX512F__
 constexpr int kMaxRows = 12;    // 24 accumulators + 2 weight vectors of the 32 zmm registers
@@ -76,13 +79,22 @@ inline void load_weights(const int8_t* w, Vec16& low, Vec16& high) {
 #endif
 }
 
+// The share of the next block a tile brings into the caches while it multiplies this one from L2: the bytes
+// from `bytes`, (step / 65536) of them per k. Without it, the first tile of each block waits on memory
+// and the others leave memory idle, so a pass of more rows than one tile adds its memory time to its
+// compute time instead of overlapping them.
+struct NextBlock {
+  const char* bytes = nullptr;  // nullptr: nothing to fetch
+  int64_t step = 0;
+};
+
 // R rows of x times B blocks of 32 columns (w: the first block; the others follow at `block_stride`).
 // `columns`: how many of the B * 32 columns exist (only the matrix's last block may be partial);
 // `scales`: nullptr for float32 weights. Each column's sum is the same sequence of operations whatever
 // R and B are: they only decide how many independent sums are in flight.
 template <int R, int B, typename Weight>
 void tile(const float* x, int64_t ldx, const Weight* w, int64_t block_stride, int64_t k_size, const float* scales,
-          const float* bias, float* y, int64_t ldy, int64_t columns) {
+          const float* bias, float* y, int64_t ldy, int64_t columns, const NextBlock& next = {}) {
   constexpr int64_t kStep = kBlock * sizeof(Weight);  // bytes of one k of a block
   constexpr int V = 2 * B;                            // Vec16 per row
   Vec16 sums[R][V];
@@ -90,12 +102,13 @@ void tile(const float* x, int64_t ldx, const Weight* w, int64_t block_stride, in
     for (int v = 0; v < V; ++v) sums[r][v] = Vec16{};
   }
   for (int64_t k = 0; k < k_size; ++k) {
+    if (next.bytes != nullptr) __builtin_prefetch(next.bytes + ((k * next.step) >> 16));
     Vec16 weights[V];
     for (int b = 0; b < B; ++b) {
       const Weight* w_k = w + b * block_stride + k * kBlock;
       const char* bytes = reinterpret_cast<const char*>(w_k);
-      __builtin_prefetch(bytes + kPrefetchBytes);
-      if constexpr (kStep > 64) __builtin_prefetch(bytes + kPrefetchBytes + 64);
+      __builtin_prefetch(bytes + kPrefetchBytes<R>);
+      if constexpr (kStep > 64) __builtin_prefetch(bytes + kPrefetchBytes<R> + 64);
       load_weights(w_k, weights[2 * b], weights[2 * b + 1]);
     }
     for (int r = 0; r < R; ++r) {
@@ -130,13 +143,14 @@ constexpr int kRowsFor = B == 1 ? kMaxRows : kPairedRows;
 // `rows` (at most kRowsFor<B>) rows times B blocks, through the tile that holds exactly that many rows.
 template <int B, typename Weight, int R = kRowsFor<B>>
 void rows_tile(int rows, const float* x, int64_t ldx, const Weight* w, int64_t block_stride, int64_t k_size,
-               const float* scales, const float* bias, float* y, int64_t ldy, int64_t columns) {
+               const float* scales, const float* bias, float* y, int64_t ldy, int64_t columns,
+               const NextBlock& next = {}) {
   if constexpr (R > 1) {
     if (rows < R) {
-      return rows_tile<B, Weight, R - 1>(rows, x, ldx, w, block_stride, k_size, scales, bias, y, ldy, columns);
+      return rows_tile<B, Weight, R - 1>(rows, x, ldx, w, block_stride, k_size, scales, bias, y, ldy, columns, next);
     }
   }
-  tile<R, B>(x, ldx, w, block_stride, k_size, scales, bias, y, ldy, columns);
+  tile<R, B>(x, ldx, w, block_stride, k_size, scales, bias, y, ldy, columns, next);
 }
 
 // Blocks per step of the column loop. A tile of int8 weights with few rows (kPairedRows: three, one
@@ -153,13 +167,25 @@ void product(const float* x_data, int64_t rows, const Weight* w_data, int64_t k_
              const float* bias_data, float* y_data, int64_t out_features) {
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
   const int64_t block_stride = k_size * kBlock;
+  // Rows in equal tiles of at most kMaxRows (16 rows: two of 8, not 12 and 4).
+  const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(Weight));
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t group = begin; group < end; group += kGroup<Weight>) {
       const int64_t width = std::min(kGroup<Weight>, end - group);  // blocks of this step
-      for (int64_t r = 0; r < rows; r += kMaxRows) {
-        const int n = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r));
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t r = t * rows / tiles;
+        const int n = static_cast<int>((t + 1) * rows / tiles - r);
         const bool paired = width == 2 && n <= kPairedRows;
         for (int64_t b = group; b < group + width; b += paired ? 2 : 1) {
+          // One tile reads its block from memory itself (prefetching a few k ahead); several share
+          // the fetching of this thread's next block.
+          NextBlock next;
+          if (tiles > 1 && b + width < end) {
+            const int64_t share = block_bytes / tiles;
+            next.bytes = reinterpret_cast<const char*>(w_data + (b + width) * block_stride) + t * share;
+            next.step = (share << 16) / k_size;
+          }
           const int64_t column = b * kBlock;
           const int64_t columns = std::min((paired ? 2 : 1) * kBlock, out_features - column);
           const Weight* w_block = w_data + b * block_stride;
@@ -170,12 +196,12 @@ void product(const float* x_data, int64_t rows, const Weight* w_data, int64_t k_
           if constexpr (kGroup<Weight> == 2) {
             if (paired) {
               rows_tile<2>(n, x_rows, k_size, w_block, block_stride, k_size, block_scales, block_bias, y_rows,
-                           out_features, columns);
+                           out_features, columns, next);
               continue;
             }
           }
           rows_tile<1>(n, x_rows, k_size, w_block, block_stride, k_size, block_scales, block_bias, y_rows,
-                       out_features, columns);
+                       out_features, columns, next);
         }
       }
     }
