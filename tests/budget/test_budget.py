@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import reader_spec.budget.probe as probe
-from reader_spec.budget.allocation import allocate
+from reader_spec.budget.allocation import RealizedAcceptance, allocate
 from reader_spec.budget.costs import (
     DENSE_TOKENS,
     LONG_CONTEXT,
@@ -209,6 +209,34 @@ def test_total_draft_follows_the_batchs_spare_compute():
     # Long contexts make the pass dearer, the same drafts relatively cheaper: more of them pay.
     with_context = CostModel({PROBE_CONTEXT: {8: {0: 1.0, 64: 4.0}}, LONG_CONTEXT: {8: {0: 3.0, 16: 3.75}}})
     assert sum(allocate(proposals, with_context, 8, LONG_CONTEXT)) > sum(allocate(proposals, with_context, 8))
+
+
+def test_probabilities_are_taken_as_verification_has_borne_them_out():
+    probs = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]
+    model = at_probe_context({1: {0: 1.0, 16: 3.0}})  # each draft token an eighth of a pass
+    halved = chain_proposal(range(8), [p / 2 for p in probs])
+    [trusted] = allocate([chain_proposal(range(8), probs)], model, 8)
+    [discounted] = allocate([chain_proposal(range(8), probs)], model, 8, realized=0.5)
+    assert discounted == allocate([halved], model, 8)[0] < trusted
+
+
+def test_realized_acceptance_follows_recent_steps_from_a_neutral_start():
+    realized = RealizedAcceptance(decay=1.0, prior=4.0)
+    assert realized.factor == 1.0
+    realized.record(10.0, 5)
+    assert realized.factor == pytest.approx(9 / 14)
+    fading = RealizedAcceptance(decay=0.9)
+    for _ in range(200):
+        fading.record(2.0, 2)
+    for _ in range(200):  # the older steps fade: the factor is the recent steps'
+        fading.record(2.0, 1)
+    assert fading.factor == pytest.approx(0.5, abs=1e-6)
+    for _ in range(200):  # more accepted than expected: no more than the estimates themselves
+        fading.record(1.0, 2)
+    assert fading.factor == 1.0
+    for decay, prior in [(0.0, 1.0), (1.5, 1.0), (0.9, 0.0)]:
+        with pytest.raises(ValueError):
+            RealizedAcceptance(decay, prior)
 
 
 def test_the_floor_counts_every_weight_once_packed_or_not():

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from reader_spec.budget.allocation import RealizedAcceptance
 from reader_spec.budget.costs import CostModel
 from reader_spec.config import GenerationConfig
 from reader_spec.drafters import ReaderDrafter
@@ -201,6 +202,24 @@ def test_weak_drafts_are_not_verified(tiny, prompts, plain_outputs):
     outputs = engine.generate(prompts[:2], NO_EOS)
     assert sum(o.stats.drafted for o in outputs) == 0
     assert [o.tokens for o in outputs] == [o.tokens for o in plain_outputs[:2]]
+
+
+def test_drafts_whose_estimates_run_high_stop_being_verified(tiny, prompts, plain_outputs, monkeypatch):
+    """A drafter sure of drafts that are never accepted: the engine learns from verification that its
+    probabilities do not hold and stops paying for them; output stays exact."""
+    references = [p + o.tokens for p, o in zip(prompts, plain_outputs, strict=True)]
+    linear = CostModel(measure=lambda batch, drafted, context: {d: 1.0 + 0.1 * d for d in drafted})
+
+    def drafted(engine):
+        outputs = engine.generate(prompts[:3], NO_EOS)
+        assert [o.tokens for o in outputs] == [o.tokens for o in plain_outputs[:3]]
+        return sum(o.stats.drafted for o in outputs), engine.realized.factor
+
+    learning, factor = drafted(Engine(tiny, ScriptedDrafter(references, 1.0), budget=6, costs=linear))
+    assert factor < 0.3
+    monkeypatch.setattr(RealizedAcceptance, "record", lambda self, expected, accepted: None)
+    trusting, factor = drafted(Engine(tiny, ScriptedDrafter(references, 1.0), budget=6, costs=linear))
+    assert factor == 1.0 and trusting > 5 * learning > 0
 
 
 def test_single_token_prompt_and_text_and_chat_prompts(tiny):

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from reader_spec.budget.allocation import allocate
+from reader_spec.budget.allocation import RealizedAcceptance, allocate
 from reader_spec.budget.costs import CostModel
 from reader_spec.drafters import Drafter, feed_back, propose_all
 from reader_spec.engine.sequence import DraftCounts
@@ -234,19 +234,25 @@ def replay_step(
     max_nodes: int,
     costs: CostModel | None = None,
     context: int = 0,
+    realized: RealizedAcceptance | None = None,
 ) -> ReplayedStep:
     """Propose, verify against the recorded continuation (as a greedy pass of the model that produced
     it would), and feed the outcome back: the engine's step with the recording as the target model.
 
     With ``costs``, the proposal is priced and cut as the engine's adaptive budget does at batch 1 with
-    ``context`` tokens of context."""
+    ``context`` tokens of context, its probabilities scaled by ``realized`` (which the step updates)."""
     clock = time.perf_counter()
     if costs is None:
         proposal = drafter.propose(request, max_nodes).truncated(max_nodes)
     else:  # the engine's _draft at batch 1
+        realized = realized or RealizedAcceptance()
         (proposal,) = propose_all(drafter, [request], max_nodes, costs.table(1, max_nodes, context))
-        proposal = proposal.truncated(allocate([proposal], costs, max_nodes, context)[0])
-    return settle(drafter, request, root, recording, proposal, time.perf_counter() - clock)
+        kept = allocate([proposal], costs, max_nodes, context, realized.factor)[0]
+        proposal = proposal.truncated(kept)
+    step = settle(drafter, request, root, recording, proposal, time.perf_counter() - clock)
+    if costs is not None and len(proposal):
+        realized.record(sum(proposal.probs), step.accepted)
+    return step
 
 
 def settle(
@@ -276,11 +282,13 @@ def replay_turn(
     budget: int,
     costs: CostModel | None = None,
     priced: bool = False,
+    realized: RealizedAcceptance | None = None,
 ) -> MethodStats:
     """Replay one recorded continuation through a drafter, as the engine would run it greedily.
 
     With ``costs`` each step's verification and plain decoding's passes are timed by that model;
-    ``priced`` also cuts each step's tree by it (see :func:`replay_step`)."""
+    ``priced`` also cuts each step's tree by it (see :func:`replay_step`), with ``realized`` carried
+    across turns as the engine carries it across requests."""
     stats = MethodStats(method="", turns=1)
     started = time.perf_counter()
     drafter.begin(request, context)
@@ -290,7 +298,7 @@ def replay_turn(
     while position < len(continuation):
         at = len(context) + position
         step = replay_step(
-            drafter, request, root, continuation[position:], budget, costs if priced else None, at
+            drafter, request, root, continuation[position:], budget, costs if priced else None, at, realized
         )
         in_drafter += step.propose_seconds + step.feedback_seconds
         if costs is not None:
@@ -396,6 +404,7 @@ def run_replay(
         raise ValueError(f"budget must be at least 1, got {budget}")
     started = time.perf_counter()
     totals = {name: MethodStats(method=name) for name in drafters}
+    realized = {name: RealizedAcceptance() for name in drafters}
     report = ReplayReport(
         settings={
             **(settings or {}),
@@ -426,7 +435,9 @@ def run_replay(
                 context, continuation = tokens[:context_end], tokens[context_end:end]
                 for name, drafter in drafters.items():
                     request = (task_index, turn_index)
-                    turn = replay_turn(drafter, request, context, continuation, budget, costs, name in priced)
+                    turn = replay_turn(
+                        drafter, request, context, continuation, budget, costs, name in priced, realized[name]
+                    )
                     task_totals[name].add(turn)
                 bar.update()
             for name, stats in task_totals.items():

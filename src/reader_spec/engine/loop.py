@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from reader_spec.budget.allocation import allocate
+from reader_spec.budget.allocation import RealizedAcceptance, allocate
 from reader_spec.budget.costs import CostModel, cost_cache_path, load_costs
 from reader_spec.config import GenerationConfig
 from reader_spec.drafters.base import Drafter, feed_back, propose_all
@@ -97,6 +97,7 @@ class Engine:
         self.drafter = drafter
         self.budget = budget if drafter is not None else 0
         self.adaptive_budget = adaptive_budget
+        self.realized = RealizedAcceptance()
         self.max_context = max_context_of(self.model.config)
         self.scheduler = Scheduler(max_batch_size)
         self._costs = costs
@@ -251,12 +252,16 @@ class Engine:
         scores = runner.verify(drafts.trees, [s.row for s in batch], [s.rule.greedy for s in batch])
         self._synchronize()
         verify_seconds = time.perf_counter() - started
+        expected = accepted = 0
         for seq, proposal, tree, node_scores in zip(
             batch, drafts.proposals, drafts.trees, scores, strict=True
         ):
-            self._accept(runner, seq, proposal, tree, node_scores)
+            accepted += self._accept(runner, seq, proposal, tree, node_scores)
+            expected += sum(proposal.probs)
             seq.stats.draft_seconds += drafts.seconds
             seq.stats.verify_seconds += verify_seconds
+        if expected > 0:
+            self.realized.record(expected, accepted)
 
     def _draft(self, runner: ModelRunner, batch: list[DecodingSequence]) -> _Drafts:
         """Each sequence's proposal, cut to the share of the step's budget the allocation gives it."""
@@ -267,7 +272,7 @@ class Engine:
                 context = float(runner.cache.lengths[[s.row for s in batch]].float().mean())
                 verify_seconds = self.costs.table(len(batch), len(batch) * self.budget, context)
                 proposals = propose_all(self.drafter, keys, self.budget, verify_seconds)
-                counts = allocate(proposals, self.costs, self.budget, context)
+                counts = allocate(proposals, self.costs, self.budget, context, self.realized.factor)
                 proposals = [p.truncated(n) for p, n in zip(proposals, counts, strict=True)]
             else:
                 proposals = [p.truncated(self.budget) for p in propose_all(self.drafter, keys, self.budget)]
@@ -278,8 +283,9 @@ class Engine:
 
     def _accept(
         self, runner: ModelRunner, seq: DecodingSequence, proposal: Proposal, tree: DraftTree, scores
-    ) -> None:
-        """Walk the tree with the request's acceptance rule, keep what the limits allow, commit it."""
+    ) -> int:
+        """Walk the tree with the request's acceptance rule, keep what the limits allow, commit it;
+        returns how many draft nodes the rule accepted."""
         path, bonus = seq.rule.select(tree, scores, seq.tokens)
         emitted = [tree.tokens[node] for node in path[1:]] + [bonus]
         kept, seq.finish_reason = seq.stop.clip(seq.generated, emitted)
@@ -288,6 +294,7 @@ class Engine:
         seq.stats.record_step(proposal, len(kept), [node - 1 for node in path[1 : 1 + len(kept)]])
         if self.drafter is not None:
             feed_back(self.drafter, seq.key, proposal, path, kept)
+        return len(path) - 1
 
     # --- requests joining and leaving ------------------------------------------------------------
     def _admit(self, runner: ModelRunner, row: int, request: Request) -> DecodingSequence:
