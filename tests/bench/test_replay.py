@@ -185,6 +185,17 @@ def test_run_replay_keeps_one_drafter_per_method_across_turns(tmp_path):
         run_replay([convo], {"none": Fixed(EMPTY_PROPOSAL)}, 0, progress=False)
 
 
+def test_priced_replay_stops_verifying_drafts_that_fall_short_of_their_estimates():
+    """Sure-looking drafts that are never accepted: the priced replay learns it, as the engine does."""
+    convo = conversation([1, 2, 3], [list(range(10, 70))], [4, 5])
+    wrong = chain_proposal([99, 98, 97, 96], [0.9, 0.85, 0.8, 0.75])
+    costs = CostModel({PROBE_CONTEXT: {1: {d: 1.0 + 0.2 * d for d in range(9)}}}, budget=4)
+    report = run_replay([convo], {"priced": Fixed(wrong)}, 4, progress=False, costs=costs, priced=["priced"])
+    priced = report.methods["priced"]
+    assert priced.steps == 60 and priced.accepted == 0
+    assert 4 <= priced.drafted < 60  # all four nodes at first (rate 2.39 against 1.00), then few
+
+
 def test_priced_replay_cuts_each_tree_where_the_rate_is_best(tmp_path):
     convo = conversation([1, 2, 3], [[10, 11, 12, 13]], [4, 5])
     chain = chain_proposal([10, 11, 99, 98], [0.9, 0.6, 0.05, 0.01])

@@ -216,7 +216,7 @@ def test_drafts_whose_estimates_run_high_stop_being_verified(tiny, prompts, plai
         return sum(o.stats.drafted for o in outputs), engine.realized.factor
 
     learning, factor = drafted(Engine(tiny, ScriptedDrafter(references, 1.0), budget=6, costs=linear))
-    assert factor < 0.3
+    assert factor < 0.9
     monkeypatch.setattr(RealizedAcceptance, "record", lambda self, expected, accepted: None)
     trusting, factor = drafted(Engine(tiny, ScriptedDrafter(references, 1.0), budget=6, costs=linear))
     assert factor == 1.0 and trusting > 5 * learning > 0

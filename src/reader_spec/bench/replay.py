@@ -250,7 +250,7 @@ def replay_step(
         kept = allocate([proposal], costs, max_nodes, context, realized.factor)[0]
         proposal = proposal.truncated(kept)
     step = settle(drafter, request, root, recording, proposal, time.perf_counter() - clock)
-    if costs is not None and len(proposal):
+    if costs is not None:
         realized.record(sum(proposal.probs), step.accepted)
     return step
 

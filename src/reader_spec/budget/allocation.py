@@ -62,23 +62,26 @@ class RealizedAcceptance:
     exactly where a pass has little to spare. The engine records each verified proposal here and the
     allocation scales probabilities by :attr:`factor`, so what it expects is what verification has
     been giving. Only downwards: selection inflates estimates, it does not deflate them, and a
-    drafter's own calibration answers for estimates that run low. Older steps fade by ``decay`` per
-    recorded step; ``prior`` units of probability at a factor of 1 keep the first steps from swinging it.
+    drafter's own calibration answers for estimates that run low. Every step fades what came before by
+    ``decay``, steps that verified nothing included, so a factor that stopped all drafting drifts back
+    to 1 and drafting is tried again; ``prior`` units of probability at a factor of 1 keep the first
+    steps from swinging it.
     """
 
     def __init__(self, decay: float = 0.99, prior: float = 4.0) -> None:
         if not 0.0 < decay <= 1.0 or prior <= 0:
             raise ValueError("need 0 < decay <= 1 and prior > 0")
         self.decay = decay
-        self.expected = prior
-        self.accepted = prior
+        self.prior = prior
+        self.expected = 0.0
+        self.accepted = 0.0
 
     @property
     def factor(self) -> float:
-        return min(1.0, self.accepted / self.expected)
+        return min(1.0, (self.accepted + self.prior) / (self.expected + self.prior))
 
     def record(self, expected: float, accepted: int) -> None:
-        """One step of the batch: the summed probabilities of the verified nodes, and how many of
-        them were accepted."""
+        """One step of the batch: the summed probabilities of the verified nodes (0 where none were),
+        and how many of them were accepted."""
         self.expected = self.expected * self.decay + expected
         self.accepted = self.accepted * self.decay + accepted

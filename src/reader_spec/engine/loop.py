@@ -260,8 +260,7 @@ class Engine:
             expected += sum(proposal.probs)
             seq.stats.draft_seconds += drafts.seconds
             seq.stats.verify_seconds += verify_seconds
-        if expected > 0:
-            self.realized.record(expected, accepted)
+        self.realized.record(expected, accepted)
 
     def _draft(self, runner: ModelRunner, batch: list[DecodingSequence]) -> _Drafts:
         """Each sequence's proposal, cut to the share of the step's budget the allocation gives it."""
