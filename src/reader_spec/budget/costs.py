@@ -12,7 +12,6 @@ the matrix kernels change block shapes, and interpolating between sparse samples
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
 import platform
@@ -20,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from reader_spec.files import cache_root, write_atomic
@@ -59,32 +59,43 @@ class CostModel:
     _tables: dict[int, tuple[list[float], list[float]]] = field(default_factory=dict, repr=False)
 
     def seconds(self, batch: int, drafted: int, context: float = PROBE_CONTEXT) -> float:
-        lo = 1 << (batch.bit_length() - 1)
-        if lo == batch:
-            return self._seconds(batch, drafted, context)
-        hi = 2 * lo
-        t_lo, t_hi = self._seconds(lo, drafted, context), self._seconds(hi, drafted, context)
-        return t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo)
+        return self.table(batch, drafted, context)[drafted]
 
     def table(self, batch: int, max_drafted: int, context: float = PROBE_CONTEXT) -> list[float]:
-        """``seconds(batch, d, context)`` for every ``d`` up to ``max_drafted`` (budgets ask every step)."""
+        """``seconds(batch, d, context)`` for every ``d`` up to ``max_drafted`` (budgets ask every step).
+
+        Computed once per batch size for every count its budget allows, as arrays: the engine meets
+        every batch size from its largest down to 1 as a batch drains, and pricing each count one by
+        one cost milliseconds per size."""
         tables = self._tables.get(batch)
         if tables is None or len(tables[0]) <= max_drafted:
-            most = max(max_drafted, batch * self.budget)
-            at_probe = [self.seconds(batch, d) for d in range(most + 1)]
-            per_token = [self.seconds(batch, d, PROBE_CONTEXT + 1) - t for d, t in enumerate(at_probe)]
-            tables = self._tables[batch] = (at_probe, per_token)
+            count = max(max_drafted, batch * self.budget) + 1
+            at_probe = self._batch_seconds(batch, count, PROBE_CONTEXT)
+            per_token = self._batch_seconds(batch, count, PROBE_CONTEXT + 1) - at_probe
+            tables = self._tables[batch] = (at_probe.tolist(), per_token.tolist())
         extra = context - PROBE_CONTEXT
         return [t + extra * k for t, k in zip(tables[0][: max_drafted + 1], tables[1], strict=False)]
 
-    def _seconds(self, batch: int, drafted: int, context: float) -> float:
-        short = _interpolate(self._curve(batch, PROBE_CONTEXT), drafted)
+    def _batch_seconds(self, batch: int, count: int, context: float) -> np.ndarray:
+        """Seconds for 0..count-1 draft tokens; batch sizes between probed powers of two interpolated."""
+        lo = 1 << (batch.bit_length() - 1)
+        if lo == batch:
+            return self._probed_seconds(batch, count, context)
+        hi = 2 * lo
+        t_lo, t_hi = self._probed_seconds(lo, count, context), self._probed_seconds(hi, count, context)
+        return t_lo + (t_hi - t_lo) * (batch - lo) / (hi - lo)
+
+    def _probed_seconds(self, batch: int, count: int, context: float) -> np.ndarray:
+        short = self._curve(batch, PROBE_CONTEXT)
+        drafted = np.arange(count)
+        at_probe = _interpolate(short, drafted)
         long = self._curve(batch, LONG_CONTEXT)
         if not long:
-            return short
-        short_at = {d: _interpolate(self._curve(batch, PROBE_CONTEXT), d) for d in long}
-        slopes = {d: max(0.0, (t - short_at[d]) / (LONG_CONTEXT - PROBE_CONTEXT)) for d, t in long.items()}
-        return short + (context - PROBE_CONTEXT) * max(0.0, _interpolate(slopes, drafted))
+            return at_probe
+        points = sorted(long)
+        gaps = np.array([long[d] for d in points]) - _interpolate(short, np.array(points))
+        slopes = dict(zip(points, np.maximum(0.0, gaps) / (LONG_CONTEXT - PROBE_CONTEXT), strict=True))
+        return at_probe + (context - PROBE_CONTEXT) * np.maximum(0.0, _interpolate(slopes, drafted))
 
     def _curve(self, batch: int, context: int) -> dict[int, float]:
         curve = self.samples.get(context, {}).get(batch, {})
@@ -137,15 +148,16 @@ def probe_points(batch: int, max_drafted: int) -> list[int]:
     return [*points, max_drafted]
 
 
-def _interpolate(curve: dict[int, float], x: int) -> float:
-    points = sorted(curve)
-    if len(points) == 1 or x <= points[0]:
-        return curve[points[0]]
-    for lo, hi in itertools.pairwise(points):
-        if x <= hi:
-            return curve[lo] + (curve[hi] - curve[lo]) * (x - lo) / (hi - lo)
-    lo, hi = points[-2], points[-1]
-    return curve[hi] + (curve[hi] - curve[lo]) * (x - hi) / (hi - lo)
+def _interpolate(curve: dict[int, float], x: np.ndarray) -> np.ndarray:
+    """Piecewise linear through the curve's points, extended linearly beyond its last two."""
+    points = np.array(sorted(curve), dtype=np.float64)
+    values = np.array([curve[p] for p in sorted(curve)])
+    result = np.interp(x, points, values)
+    if len(points) > 1:
+        slope = (values[-1] - values[-2]) / (points[-1] - points[-2])
+        beyond = x > points[-1]
+        result[beyond] = values[-1] + slope * (x[beyond] - points[-1])
+    return result
 
 
 def cost_cache_path(model_key: str) -> Path:
