@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import reader_spec.budget.probe as probe
-from reader_spec.budget.allocation import RealizedAcceptance, allocate
+from reader_spec.budget.allocation import allocate, seconds_saved
 from reader_spec.budget.costs import (
     DENSE_TOKENS,
     LONG_CONTEXT,
@@ -14,6 +14,7 @@ from reader_spec.budget.costs import (
     save_costs,
 )
 from reader_spec.budget.probe import Floor, measure_floor, probe_verify, time_interleaved
+from reader_spec.budget.realized import DraftingGate, RealizedAcceptance, RealizedCost
 from reader_spec.engine.tree import EMPTY_PROPOSAL, chain_proposal
 
 # Shaped like this machine's measured batch-1 curve (seconds by draft tokens): 7 drafts, 8 tree
@@ -40,6 +41,12 @@ def costs(scale_by_batch=None):
 def at_probe_context(curves):
     """Cost samples measured at the probe context only, as ``{batch: {drafted: seconds}}``."""
     return CostModel({PROBE_CONTEXT: curves})
+
+
+def allocate_at(proposals, model, budget, context=PROBE_CONTEXT, realized=1.0):
+    """The allocation at the cost model's table for this batch, as the engine prices a step."""
+    seconds = model.table(len(proposals), len(proposals) * budget, context)
+    return allocate(proposals, seconds, budget, realized)
 
 
 def test_interpolates_draft_counts_and_batches():
@@ -124,7 +131,7 @@ def test_a_staircase_curve_is_priced_where_it_was_measured():
     model = at_probe_context({1: {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.5}})
     third = chain_proposal(range(3), [0.2, 0.04, 0.01])
     assert model.seconds(1, 2) == 1.0
-    assert allocate([third], model, 3) == [2]
+    assert allocate_at([third], model, 3) == [2]
 
 
 def test_interleaved_timing_alternates_order_and_skips_the_warm_up(monkeypatch):
@@ -164,20 +171,20 @@ def test_corrupt_cost_file_is_ignored(tmp_path):
 
 def test_weak_drafts_are_not_verified():
     weak = chain_proposal(range(16), [0.01] * 16)
-    assert allocate([weak], costs(), 16) == [0]
-    assert allocate([EMPTY_PROPOSAL], costs(), 16) == [0]
+    assert allocate_at([weak], costs(), 16) == [0]
+    assert allocate_at([EMPTY_PROPOSAL], costs(), 16) == [0]
 
 
 def test_sure_drafts_get_a_deep_tree():
     sure = chain_proposal(range(16), [0.97 ** (i + 1) for i in range(16)])
-    assert allocate([sure], costs(), 16) == [16]
-    assert allocate([sure], costs(), 4) == [4]
+    assert allocate_at([sure], costs(), 16) == [16]
+    assert allocate_at([sure], costs(), 4) == [4]
 
 
 def test_count_chosen_maximises_expected_tokens_per_second():
     probs = [0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.05]
     model = costs()
-    [count] = allocate([chain_proposal(range(7), probs)], model, 7)
+    [count] = allocate_at([chain_proposal(range(7), probs)], model, 7)
     rates = {n: (1 + sum(probs[:n])) / model.seconds(1, n) for n in range(8)}
     assert count == max(rates, key=rates.get)
 
@@ -189,7 +196,7 @@ def test_draft_tokens_go_to_the_sequences_whose_nodes_are_likeliest():
     middling = chain_proposal(range(8), [0.6, 0.3, 0.1, 0.05, 0.02, 0.01, 0.01, 0.01])
     # Each draft token adds 0.01 s to a 1 s pass of four sequences.
     linear = at_probe_context({4: {0: 1.0, 32: 1.32}})
-    counts = allocate([weak, sure, EMPTY_PROPOSAL, middling], linear, 8)
+    counts = allocate_at([weak, sure, EMPTY_PROPOSAL, middling], linear, 8)
     assert counts[0] == counts[2] == 0
     assert counts[1] == 8
     assert 1 <= counts[3] <= 3
@@ -205,19 +212,20 @@ def test_total_draft_follows_the_batchs_spare_compute():
     proposals = [chain_proposal(range(8), [0.5 ** (i + 1) for i in range(8)]) for _ in range(8)]
     cheap = at_probe_context({8: {0: 1.0, 64: 1.1}})
     dear = at_probe_context({8: {0: 1.0, 64: 4.0}})
-    assert sum(allocate(proposals, cheap, 8)) > sum(allocate(proposals, dear, 8)) > 0
+    assert sum(allocate_at(proposals, cheap, 8)) > sum(allocate_at(proposals, dear, 8)) > 0
     # Long contexts make the pass dearer, the same drafts relatively cheaper: more of them pay.
     with_context = CostModel({PROBE_CONTEXT: {8: {0: 1.0, 64: 4.0}}, LONG_CONTEXT: {8: {0: 3.0, 16: 3.75}}})
-    assert sum(allocate(proposals, with_context, 8, LONG_CONTEXT)) > sum(allocate(proposals, with_context, 8))
+    at_long = allocate_at(proposals, with_context, 8, LONG_CONTEXT)
+    assert sum(at_long) > sum(allocate_at(proposals, with_context, 8))
 
 
 def test_probabilities_are_taken_as_verification_has_borne_them_out():
     probs = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]
     model = at_probe_context({1: {0: 1.0, 16: 3.0}})  # each draft token an eighth of a pass
     halved = chain_proposal(range(8), [p / 2 for p in probs])
-    [trusted] = allocate([chain_proposal(range(8), probs)], model, 8)
-    [discounted] = allocate([chain_proposal(range(8), probs)], model, 8, realized=0.5)
-    assert discounted == allocate([halved], model, 8)[0] < trusted
+    [trusted] = allocate_at([chain_proposal(range(8), probs)], model, 8)
+    [discounted] = allocate_at([chain_proposal(range(8), probs)], model, 8, realized=0.5)
+    assert discounted == allocate_at([halved], model, 8)[0] < trusted
 
 
 def test_realized_acceptance_follows_recent_steps_from_a_neutral_start():
@@ -259,3 +267,53 @@ def test_the_floor_is_bandwidth_until_compute_takes_longer():
     floor = Floor(weight_bytes=1_000, parameters=250, bytes_per_second=1_000.0, flops_per_second=5_000.0)
     assert floor.seconds(1) == 1.0 and floor.seconds(10) == 1.0  # 2 x 250 x 10 / 5000 = 1
     assert floor.seconds(20) == 2.0
+
+
+def test_seconds_saved_weighs_expected_tokens_against_the_pass():
+    proposals = [chain_proposal(range(2), [0.8, 0.5]), chain_proposal(range(1), [0.4])]
+    seconds = [1.0, 1.1, 1.2, 1.3]
+    # Two sequences, 1.7 tokens expected from the kept nodes: 3.7 tokens, 1.85 plain passes.
+    assert seconds_saved(proposals, [2, 1], seconds) == pytest.approx(3.7 / 2 - 1.3)
+    assert seconds_saved(proposals, [1, 0], seconds, realized=0.5) == pytest.approx(2.4 / 2 - 1.1)
+    assert seconds_saved(proposals, [0, 0], seconds) == 0.0
+
+
+def test_realized_cost_keeps_plain_and_drafted_passes_apart():
+    cost = RealizedCost(decay=1.0, prior=1.0, band=2.0)
+    assert cost.adjust([1.0, 2.0]) == [1.0, 2.0]
+    cost.record(False, predicted=1.0, measured=0.8)
+    cost.record(True, predicted=2.0, measured=2.4)
+    assert cost.ratio(False) == pytest.approx(0.9) and cost.ratio(True) == pytest.approx(1.1)
+    assert cost.adjust([1.0, 2.0, 3.0]) == pytest.approx([0.9, 2.2, 3.3])
+    cost.record(True, predicted=1.0, measured=5.0)  # stalled, or not this machine's curve
+    cost.record(False, predicted=1.0, measured=0.001)
+    assert cost.ratio(False) == pytest.approx(0.9) and cost.ratio(True) == pytest.approx(1.1)
+    fading = RealizedCost(decay=0.9, prior=0.01)
+    for _ in range(200):
+        fading.record(True, predicted=1.0, measured=1.5)
+    assert fading.ratio(True) == pytest.approx(1.5, abs=1e-3)
+    for _ in range(200):  # only plain passes: the drafted ratio goes back to the curve's
+        fading.record(False, predicted=1.0, measured=1.0)
+    assert fading.ratio(True) == pytest.approx(1.0, abs=1e-2)
+    for decay, prior, band in [(0.0, 1.0, 2.0), (0.9, 0.0, 2.0), (0.9, 1.0, 0.5)]:
+        with pytest.raises(ValueError):
+            RealizedCost(decay, prior, band)
+
+
+def test_drafting_gate_stops_proposing_when_drafts_save_less_than_drafting_takes():
+    gate = DraftingGate(decay=0.5, explore_every=4, min_trials=3)
+    for _ in range(3):  # open until it has tried enough steps, whatever they found
+        assert gate.open and gate.propose()
+        gate.record(saved=0.0, spent=0.001)
+    assert not gate.open
+    gate.record(saved=0.010, spent=0.001)
+    assert gate.open and gate.propose()
+    for _ in range(6):  # drafts that save a tenth of what drafting takes
+        gate.record(saved=0.0001, spent=0.001)
+    assert not gate.open
+    assert [gate.propose() for _ in range(8)] == [False, False, False, True] * 2
+    gate.record(saved=0.05, spent=0.001)  # an exploring step finds drafts worth their time again
+    assert gate.open and all(gate.propose() for _ in range(4))
+    for decay, every, trials in [(0.0, 4, 1), (1.5, 4, 1), (0.5, 0, 1), (0.5, 4, 0)]:
+        with pytest.raises(ValueError):
+            DraftingGate(decay, every, trials)

@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from reader_spec.budget.allocation import RealizedAcceptance
 from reader_spec.budget.costs import CostModel
+from reader_spec.budget.realized import RealizedAcceptance
 from reader_spec.config import GenerationConfig
 from reader_spec.drafters import ReaderDrafter
 from reader_spec.drafters.retrieval.datastore import Datastore
@@ -220,6 +220,39 @@ def test_drafts_whose_estimates_run_high_stop_being_verified(tiny, prompts, plai
     monkeypatch.setattr(RealizedAcceptance, "record", lambda self, expected, accepted: None)
     trusting, factor = drafted(Engine(tiny, ScriptedDrafter(references, 1.0), budget=6, costs=linear))
     assert factor == 1.0 and trusting > 5 * learning > 0
+
+
+def test_drafting_that_takes_longer_than_its_drafts_save_is_mostly_skipped(tiny, prompts, plain_outputs):
+    """Passes priced so cheap that no draft can win back the drafter's own time: once the gate has seen
+    enough steps the engine stops asking for proposals but every ``explore_every``-th step; output
+    stays exact."""
+    references = [p + o.tokens for p, o in zip(prompts, plain_outputs, strict=True)]
+
+    class Counting(ScriptedDrafter):
+        calls = 0
+
+        def propose(self, request, max_nodes):
+            Counting.calls += 1
+            return super().propose(request, max_nodes)
+
+    class SelfPricing(Counting):
+        prices_own_drafting = True
+
+    def proposals_made(seconds_per_pass, drafter_class=Counting):
+        costs = CostModel(measure=lambda b, drafted, c: {d: seconds_per_pass * (1 + d / 10) for d in drafted})
+        Counting.calls = 0
+        engine = Engine(tiny, drafter_class(references, 0.5), budget=6, costs=costs)
+        outputs = engine.generate(prompts[:2], NO_EOS)
+        assert [o.tokens for o in outputs] == [o.tokens for o in plain_outputs[:2]]
+        return Counting.calls, sum(o.stats.steps for o in outputs)
+
+    calls, steps = proposals_made(1.0)
+    assert calls == steps  # drafts worth a tenth of a second each: every step proposes
+    calls, steps = proposals_made(1e-9)
+    gate = Engine(tiny).drafting_gate
+    assert gate.min_trials < calls <= gate.min_trials + steps // gate.explore_every
+    calls, steps = proposals_made(1e-9, SelfPricing)  # a drafter that weighs its own cost decides
+    assert calls == steps
 
 
 def test_single_token_prompt_and_text_and_chat_prompts(tiny):

@@ -35,8 +35,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from reader_spec.budget.allocation import RealizedAcceptance, allocate
+from reader_spec.budget.allocation import allocate
 from reader_spec.budget.costs import CostModel
+from reader_spec.budget.realized import RealizedAcceptance
 from reader_spec.drafters import Drafter, feed_back, propose_all
 from reader_spec.engine.sequence import DraftCounts
 from reader_spec.engine.tree import DraftTree, Proposal
@@ -246,8 +247,9 @@ def replay_step(
         proposal = drafter.propose(request, max_nodes).truncated(max_nodes)
     else:  # the engine's _draft at batch 1
         realized = realized or RealizedAcceptance()
-        (proposal,) = propose_all(drafter, [request], max_nodes, costs.table(1, max_nodes, context))
-        kept = allocate([proposal], costs, max_nodes, context, realized.factor)[0]
+        seconds = costs.table(1, max_nodes, context)
+        (proposal,) = propose_all(drafter, [request], max_nodes, seconds)
+        kept = allocate([proposal], seconds, max_nodes, realized.factor)[0]
         proposal = proposal.truncated(kept)
     step = settle(drafter, request, root, recording, proposal, time.perf_counter() - clock)
     if costs is not None:

@@ -48,6 +48,9 @@ def propose_all(
     define ``propose_batch(requests, max_nodes, verify_seconds)``, where ``verify_seconds[n]`` is
     what verifying ``n`` draft tokens over the whole batch costs this step (None: not priced), so
     that they can weigh their own passes against it; the others propose one request at a time.
+    A drafter whose class sets ``prices_own_drafting = True`` decides by itself whether its drafting
+    pays; the engine asks the others for proposals only while drafting has been worth its time
+    (``budget.realized.DraftingGate``).
     """
     batched = getattr(drafter, "propose_batch", None)
     if batched is not None:

@@ -191,6 +191,9 @@ class FusedDrafter:
     """A :class:`ReaderDrafter` and a :class:`ModelDrafter` as one ``Drafter`` (``mode``: ``reader``
     or ``rasd``, see the module)."""
 
+    prices_own_drafting = True
+    """It learns each step whether the draft model's passes pay (:class:`StepChooser`)."""
+
     def __init__(
         self,
         retrieval: ReaderDrafter,

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from reader_spec.budget.allocation import RealizedAcceptance, allocate
+from reader_spec.budget.allocation import allocate, seconds_saved
 from reader_spec.budget.costs import CostModel, cost_cache_path, load_costs
+from reader_spec.budget.realized import DraftingGate, RealizedAcceptance, RealizedCost
 from reader_spec.config import GenerationConfig
 from reader_spec.drafters.base import Drafter, feed_back, propose_all
 from reader_spec.engine.acceptance import rule_for
@@ -53,6 +54,8 @@ class _Drafts:
     proposals: list[Proposal]
     trees: list[DraftTree]
     seconds: float
+    predicted: float | None = None
+    """What the cost curve says the step's pass costs (None: the budget is not priced)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,8 @@ class Engine:
         self.budget = budget if drafter is not None else 0
         self.adaptive_budget = adaptive_budget
         self.realized = RealizedAcceptance()
+        self.realized_cost = RealizedCost()
+        self.drafting_gate = None if getattr(drafter, "prices_own_drafting", False) else DraftingGate()
         self.max_context = max_context_of(self.model.config)
         self.scheduler = Scheduler(max_batch_size)
         self._costs = costs
@@ -261,24 +266,38 @@ class Engine:
             seq.stats.draft_seconds += drafts.seconds
             seq.stats.verify_seconds += verify_seconds
         self.realized.record(expected, accepted)
+        if drafts.predicted is not None:
+            self.realized_cost.record(any(drafts.proposals), drafts.predicted, verify_seconds)
 
     def _draft(self, runner: ModelRunner, batch: list[DecodingSequence]) -> _Drafts:
         """Each sequence's proposal, cut to the share of the step's budget the allocation gives it."""
         started = time.perf_counter()
-        if self.budget > 0:
-            keys = [s.key for s in batch]
-            if self.adaptive_budget:
-                context = float(runner.cache.lengths[[s.row for s in batch]].float().mean())
-                verify_seconds = self.costs.table(len(batch), len(batch) * self.budget, context)
-                proposals = propose_all(self.drafter, keys, self.budget, verify_seconds)
-                counts = allocate(proposals, self.costs, self.budget, context, self.realized.factor)
-                proposals = [p.truncated(n) for p, n in zip(proposals, counts, strict=True)]
+        proposals, predicted = [EMPTY_PROPOSAL] * len(batch), None
+        keys = [s.key for s in batch]
+        if self.budget > 0 and self.adaptive_budget:
+            context = float(runner.cache.lengths[[s.row for s in batch]].float().mean())
+            gate = self.drafting_gate
+            if gate is None or gate.propose():
+                proposals, predicted, saved = self._priced_proposals(keys, context)
+                if gate is not None:
+                    gate.record(saved, time.perf_counter() - started)
             else:
-                proposals = [p.truncated(self.budget) for p in propose_all(self.drafter, keys, self.budget)]
-        else:
-            proposals = [EMPTY_PROPOSAL] * len(batch)
+                predicted = self.costs.seconds(len(batch), 0, context)
+        elif self.budget > 0:
+            proposals = [p.truncated(self.budget) for p in propose_all(self.drafter, keys, self.budget)]
         trees = [DraftTree.from_proposal(s.tokens[-1], p) for s, p in zip(batch, proposals, strict=True)]
-        return _Drafts(proposals, trees, time.perf_counter() - started)
+        return _Drafts(proposals, trees, time.perf_counter() - started, predicted)
+
+    def _priced_proposals(self, keys: list[int], context: float) -> tuple[list[Proposal], float, float]:
+        """The batch's proposals cut by the allocation (priced by the cost curve as passes have been
+        costing), what the curve says their pass costs, and the seconds they are expected to save."""
+        curve = self.costs.table(len(keys), len(keys) * self.budget, context)
+        seconds = self.realized_cost.adjust(curve)
+        proposals = propose_all(self.drafter, keys, self.budget, seconds)
+        factor = self.realized.factor
+        counts = allocate(proposals, seconds, self.budget, factor)
+        proposals = [p.truncated(n) for p, n in zip(proposals, counts, strict=True)]
+        return proposals, curve[sum(counts)], seconds_saved(proposals, counts, seconds, factor)
 
     def _accept(
         self, runner: ModelRunner, seq: DecodingSequence, proposal: Proposal, tree: DraftTree, scores

@@ -144,6 +144,9 @@ class ModelDrafter:
     (``propose_batch``'s ``verify_seconds``), levels stop when the next would not pay for its pass.
     """
 
+    prices_own_drafting = True
+    """It decides each step whether its passes pay (``base.propose_all``), so the engine does not."""
+
     def __init__(
         self,
         draft: LoadedModel,
