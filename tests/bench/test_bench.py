@@ -72,7 +72,7 @@ def bench_run(tiny):
         patch.setattr(bench, "tqdm", make_bar)
         # Every step proposes: on the tiny model drafting rarely pays for itself, and the report's
         # accounting of drafts is what these tests check.
-        patch.setattr(DraftingGate, "open", property(lambda self: True))
+        patch.setattr(DraftingGate, "open", lambda self, batch: True)
         report = run_bench(
             tiny, QUESTIONS, ["ar", "reader", "hf", "hf-pld"], max_new_tokens=MAX_NEW, batch_sizes=[1, 2]
         )

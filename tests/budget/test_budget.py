@@ -301,19 +301,26 @@ def test_realized_cost_keeps_plain_and_drafted_passes_apart():
 
 
 def test_drafting_gate_stops_proposing_when_drafts_save_less_than_drafting_takes():
-    gate = DraftingGate(decay=0.5, explore_every=4, min_trials=3)
+    gate = DraftingGate(decay=0.5, explore_every=2, max_explore_every=4, min_trials=3)
     for _ in range(3):  # open until it has tried enough steps, whatever they found
-        assert gate.open and gate.propose()
-        gate.record(saved=0.0, spent=0.001)
-    assert not gate.open
-    gate.record(saved=0.010, spent=0.001)
-    assert gate.open and gate.propose()
+        assert gate.open(32) and gate.propose(32)
+        gate.record(32, saved=0.0, spent=0.001)
+    assert not gate.open(32)
+    gate.record(32, saved=0.010, spent=0.001)
+    assert gate.open(32) and gate.propose(32)
     for _ in range(6):  # drafts that save a tenth of what drafting takes
-        gate.record(saved=0.0001, spent=0.001)
-    assert not gate.open
-    assert [gate.propose() for _ in range(8)] == [False, False, False, True] * 2
-    gate.record(saved=0.05, spent=0.001)  # an exploring step finds drafts worth their time again
-    assert gate.open and all(gate.propose() for _ in range(4))
-    for decay, every, trials in [(0.0, 4, 1), (1.5, 4, 1), (0.5, 0, 1), (0.5, 4, 0)]:
+        gate.record(32, saved=0.0001, spent=0.001)
+    assert not gate.open(32) and gate.open(31)  # each power of two of batch sizes learns apart
+    # Plain steps, with a proposing one after 2 skipped, then 4 (the interval doubles, up to 4).
+    assert [gate.propose(32) for _ in range(10)] == [False, True] + [False, False, False, True] * 2
+    gate.record(32, saved=0.05, spent=0.001)  # an exploring step finds drafts worth their time again
+    assert gate.open(32) and all(gate.propose(32) for _ in range(4))
+    for decay, every, most, trials in [
+        (0.0, 4, 8, 1),
+        (1.5, 4, 8, 1),
+        (0.5, 0, 8, 1),
+        (0.5, 4, 2, 1),
+        (0.5, 4, 8, 0),
+    ]:
         with pytest.raises(ValueError):
-            DraftingGate(decay, every, trials)
+            DraftingGate(decay, every, most, trials)

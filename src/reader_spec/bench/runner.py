@@ -231,14 +231,17 @@ def _batched(
     repeats: int,
     bar: tqdm,
 ) -> list[BatchResult]:
+    """Every method over all prompts at one batch size; with repeats the methods take turns (the
+    machine's drift between runs hits them alike) and each method's median run counts."""
+    runs: dict[str, list[Run]] = {name: [] for name in batchable}
+    for _ in range(repeats):
+        for name in batchable:
+            built[name].reset()
+            runs[name].append(_run(built[name], prompts, max_new_tokens, size, bar))
     results = []
     reference: list[list[int]] = []
     for name in batchable:
-        runs = []
-        for _ in range(repeats):
-            built[name].reset()
-            runs.append(_run(built[name], prompts, max_new_tokens, size, bar))
-        run = _median(runs)
+        run = _median(runs[name])
         outputs, seconds, peak = run.outputs, run.seconds, run.peak
         tokens = [o.tokens for o in outputs]
         reference = tokens if name == REFERENCE else reference

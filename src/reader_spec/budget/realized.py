@@ -11,6 +11,7 @@ again.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 class RealizedAcceptance:
@@ -91,47 +92,68 @@ class RealizedCost:
         return [seconds[0] * plain, *(t * drafted for t in seconds[1:])]
 
 
+@dataclass
+class _GateState:
+    """One batch-size bucket's record of drafting: decayed means and the exploring schedule."""
+
+    interval: int
+    saved: float = 0.0
+    spent: float = 0.0
+    trials: int = 0
+    skipped: int = 0
+
+
 class DraftingGate:
     """Whether the next step should ask the drafter for proposals at all.
 
     Proposing costs time before any pass runs (about a millisecond for 32 sequences with the reader
     drafter on the development machine), and at a large batch on a CPU the drafts the allocation
-    keeps may save less than that: a pass has little compute to spare. The gate keeps decayed means
-    of what the allocation expected drafting to save per step
+    keeps may save less than that: a pass has little compute to spare. Per batch-size bucket (powers
+    of two: what a pass has to spare depends on the batch), the gate keeps decayed means of what the
+    allocation expected drafting to save per step
     (:func:`~reader_spec.budget.allocation.seconds_saved`) and of the seconds drafting took, over
-    the steps that proposed. It stays open for the first ``min_trials`` of them (a request's first
-    steps often find nothing to draft from); after that, while the first mean is the smaller, steps
-    run plain and only every ``explore_every``-th proposes, so that the means follow the batch and
-    the text.
+    the steps that proposed. A bucket stays open for its first ``min_trials`` such steps (a
+    request's first steps often find nothing to draft from); after that, while the first mean is the
+    smaller, its steps run plain and one proposes after ``explore_every`` skipped steps, an interval
+    that doubles up to ``max_explore_every`` while drafting keeps not paying, so that the means
+    follow the text at little cost.
     """
 
-    def __init__(self, decay: float = 0.95, explore_every: int = 8, min_trials: int = 16) -> None:
-        if not 0.0 < decay <= 1.0 or explore_every < 1 or min_trials < 1:
-            raise ValueError("need 0 < decay <= 1, explore_every >= 1 and min_trials >= 1")
+    def __init__(
+        self, decay: float = 0.95, explore_every: int = 8, max_explore_every: int = 64, min_trials: int = 16
+    ) -> None:
+        if not 0.0 < decay <= 1.0 or not 1 <= explore_every <= max_explore_every or min_trials < 1:
+            raise ValueError("need 0 < decay <= 1, 1 <= explore_every <= max_explore_every, min_trials >= 1")
         self.decay = decay
         self.explore_every = explore_every
+        self.max_explore_every = max_explore_every
         self.min_trials = min_trials
-        self.saved = 0.0
-        self.spent = 0.0
-        self._skipped = 0
-        self._trials = 0
+        self._states: dict[int, _GateState] = {}
 
-    @property
-    def open(self) -> bool:
-        """Whether drafting has been worth its time, or has not been tried enough to tell."""
-        return self._trials < self.min_trials or self.saved > self.spent
+    def _state(self, batch: int) -> _GateState:
+        return self._states.setdefault(batch.bit_length(), _GateState(self.explore_every))
 
-    def propose(self) -> bool:
-        """Whether this step proposes; call once per step."""
-        if self.open or self._skipped + 1 >= self.explore_every:
-            self._skipped = 0
+    def open(self, batch: int) -> bool:
+        """Whether drafting has been worth its time at this batch size, or not tried enough to tell."""
+        state = self._state(batch)
+        return state.trials < self.min_trials or state.saved > state.spent
+
+    def propose(self, batch: int) -> bool:
+        """Whether this step, over ``batch`` sequences, proposes; call once per step."""
+        state = self._state(batch)
+        if self.open(batch):
+            state.skipped, state.interval = 0, self.explore_every
             return True
-        self._skipped += 1
-        return False
+        state.skipped += 1
+        if state.skipped < state.interval:
+            return False
+        state.skipped, state.interval = 0, min(2 * state.interval, self.max_explore_every)
+        return True
 
-    def record(self, saved: float, spent: float) -> None:
+    def record(self, batch: int, saved: float, spent: float) -> None:
         """A step that proposed: the seconds its drafts were expected to save, and drafting took."""
-        self._trials += 1
-        weight = max(1.0 - self.decay, 1.0 / self._trials)  # a plain mean until the decay takes over
-        self.saved += weight * (saved - self.saved)
-        self.spent += weight * (spent - self.spent)
+        state = self._state(batch)
+        state.trials += 1
+        weight = max(1.0 - self.decay, 1.0 / state.trials)  # a plain mean until the decay takes over
+        state.saved += weight * (saved - state.saved)
+        state.spent += weight * (spent - state.spent)

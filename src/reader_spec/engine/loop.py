@@ -277,10 +277,10 @@ class Engine:
         if self.budget > 0 and self.adaptive_budget:
             context = float(runner.cache.lengths[[s.row for s in batch]].float().mean())
             gate = self.drafting_gate
-            if gate is None or gate.propose():
+            if gate is None or gate.propose(len(batch)):
                 proposals, predicted, saved = self._priced_proposals(keys, context)
                 if gate is not None:
-                    gate.record(saved, time.perf_counter() - started)
+                    gate.record(len(batch), saved, time.perf_counter() - started)
             else:
                 predicted = self.costs.seconds(len(batch), 0, context)
         elif self.budget > 0:
