@@ -120,7 +120,7 @@ class DraftingGate:
     """
 
     def __init__(
-        self, decay: float = 0.95, explore_every: int = 8, max_explore_every: int = 64, min_trials: int = 16
+        self, decay: float = 0.99, explore_every: int = 8, max_explore_every: int = 64, min_trials: int = 16
     ) -> None:
         if not 0.0 < decay <= 1.0 or not 1 <= explore_every <= max_explore_every or min_trials < 1:
             raise ValueError("need 0 < decay <= 1, 1 <= explore_every <= max_explore_every, min_trials >= 1")

@@ -275,7 +275,7 @@ class Engine:
         proposals, predicted = [EMPTY_PROPOSAL] * len(batch), None
         keys = [s.key for s in batch]
         if self.budget > 0 and self.adaptive_budget:
-            context = float(runner.cache.lengths[[s.row for s in batch]].float().mean())
+            context = sum(len(s.tokens) for s in batch) / len(batch) - 1  # the root is not cached yet
             gate = self.drafting_gate
             if gate is None or gate.propose(len(batch)):
                 proposals, predicted, saved = self._priced_proposals(keys, context)
