@@ -259,6 +259,25 @@ def test_repeats_and_batch_sizes_never_see_their_own_earlier_runs(tiny, monkeypa
     assert len(report.prompts) == 2 * TURNS  # medians of the repeats, for ar and mem
 
 
+def test_batched_repeats_take_turns(tiny, monkeypatch):
+    """The machine drifts between runs: at a batch size above 1 each repeat runs every method once."""
+    order = []
+
+    class Named(Recorder):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def generate(self, prompts, max_new_tokens, batch_size, on_finish):
+            order.append((self.name, batch_size))
+            return super().generate(prompts, max_new_tokens, batch_size, on_finish)
+
+    for name in ("one", "two"):
+        monkeypatch.setitem(METHODS, name, MethodSpec(lambda setup, name=name: Named(name)))
+    run_bench(tiny, QUESTIONS, ["one", "two"], max_new_tokens=4, repeats=3, batch_sizes=[2])
+    assert [name for name, size in order if size == 2] == ["one", "two"] * 3
+
+
 # --- the whole run -----------------------------------------------------------------------------------
 def test_report_figures(report):
     assert len(report.prompts) == TURNS * 4
