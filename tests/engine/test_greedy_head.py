@@ -31,7 +31,8 @@ def full_argmax(head, hidden: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bounded", [True, False])
-@pytest.mark.parametrize("shape", [(1000, 64), (4100, 576), (37, 40)])  # vocabularies not a multiple of 32
+# vocabularies not a multiple of 32; features not a multiple of 4 (the integer product's groups)
+@pytest.mark.parametrize("shape", [(1000, 64), (4100, 576), (37, 40), (300, 66)])
 def test_the_token_is_the_full_products_argmax_at_every_row_count(shape, bounded):
     """Beyond the last row bucket (80 rows), and where the timing picks it, the whole layer runs."""
     torch.manual_seed(0)
@@ -69,6 +70,53 @@ def test_outliers_widen_the_bound_without_changing_the_token():
     hidden = torch.randn(64, 96)
     hidden[:, 3] = 0.0  # the outliers do not decide the logits; their quantization error does
     assert torch.equal(greedy(hidden), full_argmax(head, hidden))
+
+
+def test_hidden_states_with_a_few_huge_features_keep_the_token():
+    """A model's hidden state often has a few features far larger than the rest: one int8 level's
+    scale would be too coarse for the others, the second level keeps the bound tight enough."""
+    torch.manual_seed(4)
+    head, greedy = head_of(torch.randn(3000, 128) * 0.05)
+    hidden = torch.randn(40, 128)
+    hidden[:, [5, 77]] *= 40.0
+    assert torch.equal(greedy(hidden), full_argmax(head, hidden))
+
+
+def test_the_hidden_states_own_quantization_error_is_in_the_bound():
+    """Two columns whose order the hidden state's int8 levels reverse: the first level takes the one
+    large feature (scale 1), the second the rest (scale 2^-8) and leaves each of them 0.45 of a step
+    off, in the direction that favours column 0 exactly. Column 0's weights are exact in int8, so
+    only the hidden state's error can keep it among the candidates."""
+    rng = torch.Generator().manual_seed(6)
+    sign = torch.randint(0, 2, (62,), generator=rng) * 2 - 1
+    steps = torch.randint(-60, 61, (62,), generator=rng)
+    excess = int((sign * steps).sum()) + 12  # the integer parts must leave column 0 behind by 12 steps
+    for i in range(abs(excess)):
+        steps[i % 62] -= sign[i % 62] * (1 if excess > 0 else -1)
+    hidden = torch.zeros(1, 64)
+    hidden[0, 0], hidden[0, 1] = 127.0, 127 / 256  # the second level's scale: 2^-8
+    hidden[0, 2:] = (steps + 0.45 * sign) / 256
+    weight = torch.zeros(2, 64)
+    weight[0, 2:] = sign / 128.0
+    head, greedy = head_of(weight)
+    logits = torch.ops.reader_spec.blocked_linear(hidden, head.weight, None, head.out_features)[0]
+    assert logits[0] > logits[1] == 0  # exactly, column 0; its approximation says column 1
+    assert torch.equal(greedy(hidden), torch.tensor([0]))
+
+
+def test_integer_sums_beyond_float32s_exact_range_keep_the_token():
+    """Sums above 2^24 round when converted to float; the bound covers it."""
+    torch.manual_seed(5)
+    weight = 0.5 + torch.rand(200, 2048) * 0.01  # every column near the largest weight: q near 127
+    head, greedy = head_of(weight)
+    hidden = 1.0 + torch.rand(6, 2048) * 0.001
+    assert torch.equal(greedy(hidden), full_argmax(head, hidden))
+
+
+def test_a_zero_row_gets_the_first_column():
+    """Every logit is 0: every column is a candidate and the first of the equal maxima wins."""
+    _, greedy = head_of(torch.randn(100, 64))
+    assert torch.equal(greedy(torch.zeros(2, 64)), torch.zeros(2, dtype=torch.long))
 
 
 def test_rows_that_are_not_finite_take_the_full_products_argmax():

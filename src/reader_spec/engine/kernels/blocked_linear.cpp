@@ -18,9 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <type_traits>
-#include <vector>
 
 #include "kernels.h"
 
@@ -255,80 +253,6 @@ at::Tensor blocked_linear_int8(const at::Tensor& input, const at::Tensor& weight
                              out_features);
 }
 
-// The output layer's greedy token per row: exactly argmax(blocked_linear(hidden, weight)) (the first of
-// equal maxima, as torch.argmax), while reading the float32 matrix only for a few columns. An int8 copy
-// of the matrix (a quarter of the bytes) gives every logit within a bound: |exact_j - approx_j| <=
-// |h| * slack[j], where slack[j] covers the quantization error of column j and the rounding of both
-// sums (computed once, see greedy_head.py). The best column's exact logit is at least max_j(approx_j -
-// |h| slack[j]), so only columns whose approx_j + |h| slack[j] reaches that floor can win; those are
-// copied into blocks and multiplied by the same tile as the full product, so their logits are bitwise
-// the full product's. A row that is not finite gets -1 (the caller takes the full product's argmax).
-at::Tensor greedy_tokens(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& weight_int8,
-                         const at::Tensor& scales, const at::Tensor& slack, int64_t out_features) {
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 3 && weight.size(2) == kBlock &&
-                  weight.is_contiguous(),
-              "greedy_tokens: weight must be float32 [blocks, K, 32]");
-  TORCH_CHECK(weight_int8.scalar_type() == at::kChar && weight_int8.sizes() == weight.sizes(),
-              "greedy_tokens: the int8 copy must have the weight's blocks");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() >= out_features,
-              "greedy_tokens: one float32 scale per column");
-  TORCH_CHECK(slack.scalar_type() == at::kFloat && slack.is_contiguous() && slack.numel() >= out_features,
-              "greedy_tokens: one float32 slack per column");
-  const at::Tensor approx =
-      run_blocked<int8_t>("greedy_tokens", hidden, weight_int8, scales.data_ptr<float>(), c10::nullopt, out_features);
-  const int64_t k_size = weight.size(1);
-  const at::Tensor x = hidden.reshape({-1, k_size}).contiguous();
-  const int64_t rows = x.size(0);
-  at::Tensor tokens = at::empty({rows}, x.options().dtype(at::kLong));
-  const float* x_data = x.data_ptr<float>();
-  const float* approx_data = approx.data_ptr<float>();
-  const float* w_data = weight.data_ptr<float>();
-  const float* slack_data = slack.data_ptr<float>();
-  int64_t* token_data = tokens.data_ptr<int64_t>();
-  const int64_t block_stride = k_size * kBlock;
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> candidates;
-    std::vector<float> blocks, logits;
-    for (int64_t r = begin; r < end; ++r) {
-      const float* h = x_data + r * k_size;
-      double squares = 0;
-      for (int64_t k = 0; k < k_size; ++k) squares += static_cast<double>(h[k]) * h[k];
-      const float norm = static_cast<float>(std::sqrt(squares));
-      if (!std::isfinite(norm)) {
-        token_data[r] = -1;
-        continue;
-      }
-      const float* a = approx_data + r * out_features;
-      float floor = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < out_features; ++j) floor = std::max(floor, a[j] - norm * slack_data[j]);
-      candidates.clear();
-      for (int64_t j = 0; j < out_features; ++j) {
-        if (a[j] + norm * slack_data[j] >= floor) candidates.push_back(j);
-      }
-      const int64_t count = static_cast<int64_t>(candidates.size());
-      const int64_t num_blocks = (count + kBlock - 1) / kBlock;
-      blocks.assign(num_blocks * block_stride, 0.0f);
-      logits.assign(num_blocks * kBlock, 0.0f);
-      for (int64_t i = 0; i < count; ++i) {
-        const int64_t j = candidates[i];
-        const float* source = w_data + (j / kBlock) * block_stride + j % kBlock;
-        float* target = blocks.data() + (i / kBlock) * block_stride + i % kBlock;
-        for (int64_t k = 0; k < k_size; ++k) target[k * kBlock] = source[k * kBlock];
-      }
-      for (int64_t b = 0; b < num_blocks; ++b) {
-        tile<1, 1, float>(h, k_size, blocks.data() + b * block_stride, block_stride, k_size, nullptr, nullptr,
-                          logits.data() + b * kBlock, kBlock, std::min(kBlock, count - b * kBlock));
-      }
-      int64_t best = -1;
-      for (int64_t i = 0; i < count; ++i) {
-        if (best < 0 || logits[i] > logits[best]) best = i;
-      }
-      token_data[r] = best < 0 ? -1 : candidates[best];
-    }
-  });
-  return tokens;
-}
-
 }  // namespace
 
 namespace reader_spec {
@@ -348,13 +272,9 @@ void blocked_product(const float* x, int64_t rows, const int8_t* weight, int64_t
 TORCH_LIBRARY(reader_spec, m) {
   m.def("blocked_linear(Tensor input, Tensor weight, Tensor? bias, int out_features) -> Tensor");
   m.def("blocked_linear_int8(Tensor input, Tensor weight, Tensor scales, Tensor? bias, int out_features) -> Tensor");
-  m.def(
-      "greedy_tokens(Tensor hidden, Tensor weight, Tensor weight_int8, Tensor scales, Tensor slack, int out_features) "
-      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(reader_spec, CPU, m) {
   m.impl("blocked_linear", &blocked_linear);
   m.impl("blocked_linear_int8", &blocked_linear_int8);
-  m.impl("greedy_tokens", &greedy_tokens);
 }
