@@ -28,12 +28,14 @@
 
 namespace {
 
+using reader_spec::load;
+using reader_spec::Vec16;
+
 constexpr int64_t kBlock = 32;
 // How far ahead in a block a tile of R rows requests its weights: about the memory's latency ahead, so
 // further for more rows, which spend longer on each k (1 row: 24 k of float32, 12 rows: 96 k).
 template <int R>
 constexpr int64_t kPrefetchBytes = std::max<int64_t>(3072, 1024 * R);
-typedef float Vec16 __attribute__((vector_size(64)));
 #ifdef __AVX512F__
 constexpr int kMaxRows = 12;    // 24 accumulators + 2 weight vectors of the 32 zmm registers
 constexpr int kPairedRows = 3;  // two blocks side by side: 12 accumulators + 4 weight vectors
@@ -41,12 +43,6 @@ constexpr int kPairedRows = 3;  // two blocks side by side: 12 accumulators + 4 
 constexpr int kMaxRows = 3;  // AVX2: each Vec16 is two ymm registers
 constexpr int kPairedRows = 1;
 #endif
-
-inline Vec16 load(const float* p) {
-  Vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 // The 32 weights of one k as floats: low holds columns 0..15, high 16..31.
 inline void load_weights(const float* w, Vec16& low, Vec16& high) {

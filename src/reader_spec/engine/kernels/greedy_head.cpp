@@ -32,21 +32,16 @@
 
 namespace {
 
+using reader_spec::Int16;
+using reader_spec::kLanes;
+using reader_spec::load;
+using reader_spec::Vec16;
+
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroup = 4;       // k per int32 lane of the integer product
 constexpr int kLevels = 2;          // int8 levels of the hidden state
 constexpr int kTileRows = 4;        // 4 rows x 2 levels x 32 columns: 16 accumulators
 constexpr int64_t kPrefetchBytes = 2048;
-constexpr int kLanes = 16;
-typedef float Vec16 __attribute__((vector_size(64)));
-typedef int32_t Int16 __attribute__((vector_size(64)));
-
-inline Vec16 load(const float* p) {
-  Vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
 // A row's hidden state in integers and what bounds the approximation it gives.
 struct QuantizedRow {
   float scale[kLevels];

@@ -4,8 +4,22 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace reader_spec {
+
+// Sixteen lanes of 32 bits (one AVX-512 register; two AVX2 ones), in GCC's portable vector types.
+constexpr int kLanes = 16;
+typedef float Vec16 __attribute__((vector_size(64)));
+typedef int32_t Int16 __attribute__((vector_size(64)));
+
+inline Vec16 load(const float* p) {
+  Vec16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // y = x @ W.T (+ bias) for `rows` rows of x side by side (`k_size` floats each), W in column blocks
 // ([blocks, k_size, 32]); int8 weights are multiplied by one scale per column.

@@ -29,17 +29,11 @@
 
 namespace {
 
-constexpr int kLanes = 16;
-typedef float Vec16 __attribute__((vector_size(64)));
-typedef int32_t Int16 __attribute__((vector_size(64)));
-
-inline Vec16 load(const float* p) {
-  Vec16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+using reader_spec::Int16;
+using reader_spec::kLanes;
+using reader_spec::load;
+using reader_spec::store;
+using reader_spec::Vec16;
 
 inline Vec16 splat(float value) { return Vec16{} + value; }
 
