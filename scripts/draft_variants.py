@@ -3,8 +3,9 @@
 For Spec-Bench prompts (one per category by default), the target's greedy continuation is computed
 once; each variant then reads prompt + continuation in one forward (teacher forcing), and the share
 of positions where its argmax equals the target's token is its agreement: the acceptance rate of a
-draft chain's next token under greedy verification. Variants are simulated in float32 (weights
-rounded to the format and back), so agreement measures the format, not a kernel. Then the engine's
+draft chain's next token under greedy verification. Variants are simulated in float32 (weights,
+and for the integer variants each linear layer's inputs, rounded to the format and back), so agreement
+measures the format, not a kernel. Then the engine's
 own passes are timed at batch 1: the target packed in float32 and the ``self`` draft packed in int8.
 
     .venv/bin/python scripts/draft_variants.py [--prompts 13] [--new-tokens 64]
@@ -41,6 +42,26 @@ def rounded(model, bits: int, group: int | None):
             module.weight.data = ((grouped / scale).round().clamp(-top - 1, top) * scale).reshape(
                 rows, columns
             )
+    return copied
+
+
+def integer_inputs(model, levels: int):
+    """The int8 copy whose linear layers also round their inputs to ``levels`` int8 levels per row
+    (each level quantizes what the ones before left): what integer products (VNNI) would compute."""
+    copied = rounded(model, 8, None)
+
+    def quantize(module, args):
+        x = args[0]
+        approx = torch.zeros_like(x)
+        for _ in range(levels):
+            rest = x - approx
+            scale = (rest.abs().amax(-1, keepdim=True) / 127).clamp_min(torch.finfo(x.dtype).tiny)
+            approx = approx + (rest / scale).round().clamp(-127, 127) * scale
+        return (approx, *args[1:])
+
+    for module in copied.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(quantize)
     return copied
 
 
@@ -92,6 +113,8 @@ def main() -> None:
     print(f"greedy agreement with the float32 target over {positions} positions of {len(sequences)} prompts")
     variants = {
         "int8 per output channel": lambda: rounded(target, 8, None),
+        "int8 weights, inputs in one int8 level per row": lambda: integer_inputs(target, 1),
+        "int8 weights, inputs in two int8 levels per row": lambda: integer_inputs(target, 2),
         "int4, groups of 32": lambda: rounded(target, 4, 32),
         "int4, groups of 64": lambda: rounded(target, 4, 64),
         **{
