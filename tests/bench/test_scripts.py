@@ -111,3 +111,19 @@ def test_replay_calibration_reports_every_trial(monkeypatch, capsys, tmp_path):
         int(line.split(":")[1].split()[0].replace(",", "")) for line in by_agreement.splitlines()[1:] if line
     ]
     assert trials > 0 and sum(counted) == trials  # every trial lands in exactly one row
+
+
+def test_draft_variants_integer_inputs_round_each_linear_layers_input(tiny):
+    """W8A8 simulated: one int8 level moves the logits, two levels leave them near the int8 copy's."""
+    import torch
+
+    variants = runpy.run_path(str(SCRIPTS / "draft_variants.py"), run_name="draft_variants")
+    model = tiny.model
+    ids = torch.arange(3, 40)[None]
+    with torch.inference_mode():
+        weights_only = variants["rounded"](model, 8, None)(ids).logits
+        one_level = variants["integer_inputs"](model, 1)(ids).logits
+        two_levels = variants["integer_inputs"](model, 2)(ids).logits
+    one_off = (one_level - weights_only).abs().max()
+    two_off = (two_levels - weights_only).abs().max()
+    assert one_off > 0 and two_off < one_off / 50  # each level quantizes what the ones before left
