@@ -113,12 +113,14 @@ def test_replay_calibration_reports_every_trial(monkeypatch, capsys, tmp_path):
     assert trials > 0 and sum(counted) == trials  # every trial lands in exactly one row
 
 
-def test_draft_variants_integer_inputs_round_each_linear_layers_input(tiny):
+def test_draft_variants_integer_inputs_round_each_linear_layers_input():
     """W8A8 simulated: one int8 level moves the logits, two levels leave them near the int8 copy's."""
     import torch
 
+    from tests.conftest import make_tiny_llama
+
     variants = runpy.run_path(str(SCRIPTS / "draft_variants.py"), run_name="draft_variants")
-    model = tiny.model
+    model = make_tiny_llama()  # its own: a shared model may have been packed by the fast runner
     ids = torch.arange(3, 40)[None]
     with torch.inference_mode():
         weights_only = variants["rounded"](model, 8, None)(ids).logits
