@@ -40,8 +40,13 @@ constexpr int64_t kPrefetchBytes = std::max<int64_t>(3072, 1024 * R);
 constexpr int kMaxRows = 12;    // 24 accumulators + 2 weight vectors of the 32 zmm registers
 constexpr int kPairedRows = 3;  // two blocks side by side: 12 accumulators + 4 weight vectors
 #else
-constexpr int kMaxRows = 3;  // AVX2: each Vec16 is two ymm registers
+// AVX2 (16 ymm registers, each Vec16 two of them): a whole block holds 3 rows of sums (12 registers
+// and the weights, reloaded for every row); from kHalfBlockRows rows on, a tile takes one half of the
+// block at a time (half_block_tile), up to 6 rows of 16 sums, each weight loaded once for all rows.
+constexpr int kMaxRows = 6;
+constexpr int kMaxWholeBlockRows = 3;
 constexpr int kPairedRows = 1;
+constexpr int kHalfBlockRows = 4;
 #endif
 
 // The 32 weights of one k as floats: low holds columns 0..15, high 16..31.
@@ -57,19 +62,16 @@ inline void load_weights(const int8_t* w, Vec16& low, Vec16& high) {
   high = (Vec16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))));
 #elif defined(__AVX2__)
   // The same eight bytes at a time (each Vec16 is two ymm registers).
-  __m256 eighths[4];
   for (int i = 0; i < 4; ++i) {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * i));
-    eighths[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    (i < 2 ? low : high).part[i % 2] = (reader_spec::FloatPart)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
   }
-  std::memcpy(&low, eighths, sizeof(low));
-  std::memcpy(&high, eighths + 2, sizeof(high));
 #else
   // Portable: element by element (GCC's vector conversions of int8 are no faster here).
-  for (int c = 0; c < 16; ++c) {
-    low[c] = w[c];
-    high[c] = w[16 + c];
-  }
+  float floats[kBlock];
+  for (int c = 0; c < kBlock; ++c) floats[c] = w[c];
+  low = load(floats);
+  high = load(floats + 16);
 #endif
 }
 
@@ -130,6 +132,49 @@ void tile(const float* x, int64_t ldx, const Weight* w, int64_t block_stride, in
   }
 }
 
+#if !defined(__AVX512F__) && defined(__AVX__)
+// R rows times one float32 block, 16 columns at a time: per k two weight vectors, R broadcasts and 2R
+// multiply-adds (12 sums + 2 weights + 1 broadcast of the 16 registers at 6 rows). Each column's sum
+// is the same sequence of operations as in `tile`.
+template <int R>
+void half_block_tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y,
+                     int64_t ldy, int64_t columns, const NextBlock& next) {
+  using reader_spec::FloatPart;
+  constexpr int kHalf = kBlock / 2, kPart = kHalf / 2;
+  for (int64_t half = 0; half * kHalf < columns; ++half) {
+    FloatPart sums[R][2];
+    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = FloatPart{};
+    const float* w_half = w + half * kHalf;
+    for (int64_t k = 0; k < k_size; ++k) {
+      if (next.bytes != nullptr && half == 0) __builtin_prefetch(next.bytes + ((k * next.step) >> 16));
+      const float* w_k = w_half + k * kBlock;
+      if (half == 0) {
+        __builtin_prefetch(reinterpret_cast<const char*>(w_k) + kPrefetchBytes<R>);
+        __builtin_prefetch(reinterpret_cast<const char*>(w_k) + kPrefetchBytes<R> + 64);
+      }
+      FloatPart low, high;
+      std::memcpy(&low, w_k, sizeof(low));
+      std::memcpy(&high, w_k + kPart, sizeof(high));
+      for (int r = 0; r < R; ++r) {
+        const float value = x[r * ldx + k];
+        sums[r][0] += value * low;
+        sums[r][1] += value * high;
+      }
+    }
+    const int64_t count = std::min<int64_t>(kHalf, columns - half * kHalf);
+    for (int r = 0; r < R; ++r) {
+      float out[kHalf];
+      std::memcpy(out, &sums[r][0], sizeof(FloatPart));
+      std::memcpy(out + kPart, &sums[r][1], sizeof(FloatPart));
+      if (bias != nullptr) {
+        for (int64_t c = 0; c < count; ++c) out[c] += bias[half * kHalf + c];  // after the sum, as in `tile`
+      }
+      std::memcpy(y + r * ldy + half * kHalf, out, count * sizeof(float));
+    }
+  }
+}
+#endif
+
 // How many rows a tile of B blocks holds at most: its sums and one k's weights fill the registers.
 template <int B>
 constexpr int kRowsFor = B == 1 ? kMaxRows : kPairedRows;
@@ -144,6 +189,18 @@ void rows_tile(int rows, const float* x, int64_t ldx, const Weight* w, int64_t b
       return rows_tile<B, Weight, R - 1>(rows, x, ldx, w, block_stride, k_size, scales, bias, y, ldy, columns, next);
     }
   }
+#if !defined(__AVX512F__) && defined(__AVX__)
+  if constexpr (std::is_same_v<Weight, float> && B == 1 && R >= kHalfBlockRows) {
+    return half_block_tile<R>(x, ldx, w, k_size, bias, y, ldy, columns, next);
+  } else if constexpr (R > kMaxWholeBlockRows) {
+    // int8 (its weights converted in registers) in whole-block tiles of at most kMaxWholeBlockRows
+    for (int first = 0; first < rows; first += kMaxWholeBlockRows) {
+      rows_tile<B, Weight, kMaxWholeBlockRows>(std::min(kMaxWholeBlockRows, rows - first), x + first * ldx, ldx, w,
+                                               block_stride, k_size, scales, bias, y + first * ldy, ldy, columns, next);
+    }
+    return;
+  }
+#endif
   tile<R, B>(x, ldx, w, block_stride, k_size, scales, bias, y, ldy, columns, next);
 }
 

@@ -35,6 +35,8 @@ namespace {
 using reader_spec::Int16;
 using reader_spec::kLanes;
 using reader_spec::load;
+using reader_spec::select;
+using reader_spec::to_float;
 using reader_spec::Vec16;
 
 constexpr int64_t kBlock = 32;
@@ -132,8 +134,8 @@ void integer_tile(const int32_t* q, int64_t groups, const uint8_t* w, const Quan
   Int16 acc[R][kLevels][2] = {};
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* bytes = w + g * kBlock * kGroup;
-    Int16 packed[2];
-    std::memcpy(packed, bytes, sizeof(packed));
+    const int32_t* words = reinterpret_cast<const int32_t*>(bytes);
+    const Int16 packed[2] = {load(words), load(words + kLanes)};
     for (int i = 0; i < 4; ++i) {
       Int16 weights[2];
       for (int half = 0; half < 2; ++half) weights[half] = ((packed[half] >> (8 * i)) & 0xff) - 128;
@@ -146,7 +148,9 @@ void integer_tile(const int32_t* q, int64_t groups, const uint8_t* w, const Quan
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int level = 0; level < kLevels; ++level) std::memcpy(sums[r][level], acc[r][level], sizeof(acc[r][level]));
+    for (int level = 0; level < kLevels; ++level) {
+      for (int half = 0; half < 2; ++half) reader_spec::store(sums[r][level] + half * kLanes, acc[r][level][half]);
+    }
   }
 #endif
 }
@@ -162,10 +166,7 @@ void integer_rows(int rows, const int32_t* q, int64_t groups, const uint8_t* w, 
 
 // What may separate a column's approximate logit from its exact one (the bound above).
 inline Vec16 bounds(const float* slack, const float* col_norm, int64_t j, float norm, float error) {
-  Vec16 s, n;
-  std::memcpy(&s, slack + j, sizeof(s));
-  std::memcpy(&n, col_norm + j, sizeof(n));
-  return norm * s + error * n;
+  return norm * load(slack + j) + error * load(col_norm + j);
 }
 
 // The columns of one row that can still hold the largest exact logit, in order.
@@ -177,7 +178,7 @@ void candidates_of(const float* approx, const float* slack, const float* col_nor
   Vec16 lows = Vec16{} - std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < whole; j += kLanes) {
     const Vec16 low = load(approx + j) - bounds(slack, col_norm, j, norm, error);
-    lows = low > lows ? low : lows;
+    lows = select(low > lows, low, lows);
   }
   float floor = -std::numeric_limits<float>::infinity();
   for (int lane = 0; lane < kLanes; ++lane) floor = std::max(floor, lows[lane]);
@@ -239,13 +240,10 @@ at::Tensor greedy_tokens(const at::Tensor& hidden, const at::Tensor& weight, con
           const QuantizedRow& row = quantized[first + r];
           float* out = approx.data() + (first + r) * blocks * kBlock + b * kBlock;
           for (int64_t half = 0; half < kBlock; half += kLanes) {
-            Int16 first_level, second_level;
-            std::memcpy(&first_level, sums[r][0] + half, sizeof(first_level));
-            std::memcpy(&second_level, sums[r][1] + half, sizeof(second_level));
+            const Int16 first_level = load(sums[r][0] + half), second_level = load(sums[r][1] + half);
             const Vec16 logits = load(scale + b * kBlock + half) *
-                                 (row.scale[0] * __builtin_convertvector(first_level, Vec16) +
-                                  row.scale[1] * __builtin_convertvector(second_level, Vec16));
-            std::memcpy(out + half, &logits, sizeof(logits));
+                                 (row.scale[0] * to_float(first_level) + row.scale[1] * to_float(second_level));
+            reader_spec::store(out + half, logits);
           }
         }
       }

@@ -5,21 +5,155 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace reader_spec {
 
-// Sixteen lanes of 32 bits (one AVX-512 register; two AVX2 ones), in GCC's portable vector types.
+// Sixteen lanes of 32 bits: one AVX-512 register, in GCC's portable vector types. Without AVX-512
+// GCC keeps a 64-byte vector type in memory and expands every operation on it piece by piece (about
+// 10x slower on an AVX2 CPU), so there the same sixteen lanes are a struct of native vectors (two of
+// 32 bytes with AVX, four of 16 bytes elsewhere) whose operators act part by part. Either way each
+// lane sees the same operations in the same order: a kernel's results do not depend on the ISA.
 constexpr int kLanes = 16;
+#ifdef __AVX512F__
 typedef float Vec16 __attribute__((vector_size(64)));
 typedef int32_t Int16 __attribute__((vector_size(64)));
 
-inline Vec16 load(const float* p) {
-  Vec16 v;
+inline Vec16 select(Int16 mask, Vec16 a, Vec16 b) { return mask ? a : b; }
+inline Int16 select(Int16 mask, Int16 a, Int16 b) { return mask ? a : b; }
+inline Int16 to_int(Vec16 v) { return __builtin_convertvector(v, Int16); }  // toward zero
+inline Vec16 to_float(Int16 v) { return __builtin_convertvector(v, Vec16); }
+inline Vec16 bits_as_float(Int16 v) { return (Vec16)v; }
+#else
+#ifdef __AVX__
+constexpr int kPartBytes = 32;
+#else
+constexpr int kPartBytes = 16;
+#endif
+typedef float FloatPart __attribute__((vector_size(kPartBytes)));
+typedef int32_t IntPart __attribute__((vector_size(kPartBytes)));
+constexpr int kParts = 64 / kPartBytes, kPartLanes = kLanes / kParts;
+
+// Sixteen lanes of `Lane` as kParts native vectors; comparisons give an Int16 of -1 (true) or 0.
+template <typename Lane, typename Part>
+struct Wide {
+  Part part[kParts];
+
+  Lane operator[](int lane) const { return part[lane / kPartLanes][lane % kPartLanes]; }
+
+#define READER_SPEC_WIDE_OP(op)                                                                 \
+  friend Wide operator op(Wide a, const Wide& b) {                                             \
+    for (int p = 0; p < kParts; ++p) a.part[p] = a.part[p] op b.part[p];                       \
+    return a;                                                                                  \
+  }                                                                                            \
+  friend Wide operator op(Wide a, Lane b) {                                                    \
+    for (int p = 0; p < kParts; ++p) a.part[p] = a.part[p] op b;                               \
+    return a;                                                                                  \
+  }                                                                                            \
+  friend Wide operator op(Lane a, Wide b) {                                                    \
+    for (int p = 0; p < kParts; ++p) b.part[p] = a op b.part[p];                               \
+    return b;                                                                                  \
+  }                                                                                            \
+  Wide& operator op##=(const Wide & b) { return *this = *this op b; }                          \
+  Wide& operator op##=(Lane b) { return *this = *this op b; }
+  READER_SPEC_WIDE_OP(+)
+  READER_SPEC_WIDE_OP(-)
+  READER_SPEC_WIDE_OP(*)
+  READER_SPEC_WIDE_OP(/)
+  READER_SPEC_WIDE_OP(&)
+  READER_SPEC_WIDE_OP(|)
+  READER_SPEC_WIDE_OP(<<)
+  READER_SPEC_WIDE_OP(>>)
+#undef READER_SPEC_WIDE_OP
+
+  friend Wide operator-(Wide a) {
+    for (int p = 0; p < kParts; ++p) a.part[p] = -a.part[p];
+    return a;
+  }
+
+#define READER_SPEC_WIDE_COMPARE(op)                                                            \
+  friend Wide<int32_t, IntPart> operator op(const Wide& a, const Wide& b) {                    \
+    Wide<int32_t, IntPart> mask;                                                               \
+    for (int p = 0; p < kParts; ++p) mask.part[p] = a.part[p] op b.part[p];                    \
+    return mask;                                                                               \
+  }                                                                                            \
+  friend Wide<int32_t, IntPart> operator op(const Wide& a, Lane b) {                           \
+    Wide<int32_t, IntPart> mask;                                                               \
+    for (int p = 0; p < kParts; ++p) mask.part[p] = a.part[p] op b;                            \
+    return mask;                                                                               \
+  }
+  READER_SPEC_WIDE_COMPARE(<)
+  READER_SPEC_WIDE_COMPARE(>)
+  READER_SPEC_WIDE_COMPARE(<=)
+  READER_SPEC_WIDE_COMPARE(>=)
+  READER_SPEC_WIDE_COMPARE(==)
+  READER_SPEC_WIDE_COMPARE(!=)
+#undef READER_SPEC_WIDE_COMPARE
+};
+
+typedef Wide<float, FloatPart> Vec16;
+typedef Wide<int32_t, IntPart> Int16;
+
+template <typename T>
+inline T select(const Int16& mask, const T& a, const T& b) {
+  T out;
+  for (int p = 0; p < kParts; ++p) out.part[p] = mask.part[p] ? a.part[p] : b.part[p];
+  return out;
+}
+
+inline Int16 to_int(const Vec16& v) {  // toward zero
+  Int16 out;
+  for (int p = 0; p < kParts; ++p) out.part[p] = __builtin_convertvector(v.part[p], IntPart);
+  return out;
+}
+
+inline Vec16 to_float(const Int16& v) {
+  Vec16 out;
+  for (int p = 0; p < kParts; ++p) out.part[p] = __builtin_convertvector(v.part[p], FloatPart);
+  return out;
+}
+
+inline Vec16 bits_as_float(const Int16& v) {
+  Vec16 out;
+  for (int p = 0; p < kParts; ++p) out.part[p] = (FloatPart)v.part[p];
+  return out;
+}
+#endif
+
+#ifdef __AVX512F__
+template <typename Lane, typename Vector = std::conditional_t<std::is_same_v<Lane, float>, Vec16, Int16>>
+inline Vector load(const Lane* p) {
+  Vector v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline void store(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(v)); }
+template <typename Lane, typename Vector>
+inline void store(Lane* p, const Vector& v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+#else
+// Part by part: one whole-struct copy goes through the stack (small stores, then wide loads that
+// cannot be forwarded from them).
+template <typename Lane, typename Vector = std::conditional_t<std::is_same_v<Lane, float>, Vec16, Int16>>
+inline Vector load(const Lane* p) {
+  Vector v;
+  for (int i = 0; i < kParts; ++i) std::memcpy(&v.part[i], p + i * kPartLanes, sizeof(v.part[i]));
+  return v;
+}
+
+template <typename Lane, typename Part>
+inline void store(Lane* p, const Wide<Lane, Part>& v) {
+  for (int i = 0; i < kParts; ++i) std::memcpy(p + i * kPartLanes, &v.part[i], sizeof(Part));
+}
+#endif
+
+// Sixteen bytes as lanes of -1 where not 0, 0 where 0.
+inline Int16 nonzero(const int8_t* p) {
+  int32_t lanes[kLanes];
+  for (int i = 0; i < kLanes; ++i) lanes[i] = p[i];
+  return load(lanes) != 0;
+}
 
 // y = x @ W.T (+ bias) for `rows` rows of x side by side (`k_size` floats each), W in column blocks
 // ([blocks, k_size, 32]); int8 weights are multiplied by one scale per column.

@@ -29,30 +29,35 @@
 
 namespace {
 
+using reader_spec::bits_as_float;
 using reader_spec::Int16;
 using reader_spec::kLanes;
 using reader_spec::load;
+using reader_spec::nonzero;
+using reader_spec::select;
 using reader_spec::store;
+using reader_spec::to_float;
+using reader_spec::to_int;
 using reader_spec::Vec16;
 
 inline Vec16 splat(float value) { return Vec16{} + value; }
 
 // The first `count` (< 16) floats at p, zeros after.
 inline Vec16 load_partial(const float* p, int64_t count) {
-  Vec16 v{};
-  std::memcpy(&v, p, count * sizeof(float));
-  return v;
+  float lanes[kLanes] = {};
+  std::memcpy(lanes, p, count * sizeof(float));
+  return load(lanes);
 }
 
 // exp(x) lane by lane (Cephes' single-precision polynomial, about 1 ulp): range-reduced by powers of
 // two, which are put back through the exponent bits.
 inline Vec16 exp16(Vec16 x) {
-  x = x < splat(88.3762626647949f) ? x : splat(88.3762626647949f);
-  x = x > splat(-88.3762626647949f) ? x : splat(-88.3762626647949f);
+  x = select(x < 88.3762626647949f, x, splat(88.3762626647949f));
+  x = select(x > -88.3762626647949f, x, splat(-88.3762626647949f));
   const Vec16 scaled = x * 1.44269504088896341f + 0.5f;
-  Int16 n = __builtin_convertvector(scaled, Int16);
-  n += (Int16)(__builtin_convertvector(n, Vec16) > scaled);  // truncation to floor: -1 where above
-  const Vec16 whole = __builtin_convertvector(n, Vec16);
+  Int16 n = to_int(scaled);
+  n += to_float(n) > scaled;  // truncation to floor: -1 where above
+  const Vec16 whole = to_float(n);
   x = x - whole * 0.693359375f - whole * -2.12194440e-4f;
   Vec16 y = splat(1.9875691500e-4f);
   y = y * x + 1.3981999507e-3f;
@@ -62,13 +67,12 @@ inline Vec16 exp16(Vec16 x) {
   y = y * x + 5.0000001201e-1f;
   y = y * (x * x) + x + 1.0f;
   const Int16 bits = (n + 127) << 23;
-  Vec16 power;
-  std::memcpy(&power, &bits, sizeof(power));
-  return y * power;
+  return y * bits_as_float(bits);
 }
 
 // The sum of each of 16 vectors' lanes, as one vector (lane j: the sum of sums[j]), by a fixed tree
 // of pairwise additions: a value depends only on its own vector, never on the other fifteen.
+#ifdef __AVX512F__
 inline Vec16 lane_sums(const Vec16 (&sums)[16]) {
   Vec16 halves[8], quarters[4], eighths[2];
   for (int i = 0; i < 8; ++i) {  // lanes 0-7: vector 2i's halves added, 8-15: vector 2i+1's
@@ -89,6 +93,24 @@ inline Vec16 lane_sums(const Vec16 (&sums)[16]) {
   return __builtin_shuffle(eighths[0], eighths[1], Int16{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
          __builtin_shuffle(eighths[0], eighths[1], Int16{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
 }
+#else
+// The same tree on parts of native vectors: a lane's sum is ((s[l] + s[l+8]) + (s[l+4] + s[l+12])) +
+// ((s[l+2] + s[l+10]) + (s[l+6] + s[l+14])) for l = 0 then 1, and those two added, as above.
+inline Vec16 lane_sums(const Vec16 (&sums)[16]) {
+  float halves[16][8], out[16];
+  for (int i = 0; i < 16; ++i) {
+    for (int l = 0; l < 8; ++l) halves[i][l] = sums[i][l] + sums[i][l + 8];
+  }
+  for (int i = 0; i < 16; ++i) {
+    float pairs[2];
+    for (int l = 0; l < 2; ++l) {
+      pairs[l] = (halves[i][l] + halves[i][l + 4]) + (halves[i][l + 2] + halves[i][l + 6]);
+    }
+    out[i] = pairs[0] + pairs[1];
+  }
+  return load(out);
+}
+#endif
 
 using reader_spec::CacheView;
 
@@ -105,15 +127,6 @@ struct AttentionScratch {
   std::vector<int8_t> sees;  // per token of the run: 1 where it sees the run's i-th key, 0 elsewhere
   std::vector<float> weights;
 };
-
-typedef int8_t Byte16 __attribute__((vector_size(16)));
-
-// Lanes of 16 bytes that are not 0, as a lane mask (-1 or 0).
-inline Int16 nonzero(const int8_t* p) {
-  Byte16 bytes;
-  std::memcpy(&bytes, p, sizeof(bytes));
-  return __builtin_convertvector(bytes, Int16) != 0;
-}
 
 // Keys (and values) are fetched this many ahead of their use: each is a few cache lines at scattered
 // rows of the cache, which a batch's pass reads from memory (its rows are megabytes).
@@ -219,11 +232,11 @@ void attend_run(const float* query, int64_t tokens, int64_t heads, int64_t group
     for (int64_t i = 0; i < kLanes; ++i) k[i] = first + i < n ? keys + keys_seen[first + i] * dim : zeros;
     prefetch_rows(keys, keys_seen, first + kPrefetchKeys, std::min(n, first + kPrefetchKeys + kLanes), dim);
     for (int64_t q = 0; q < queries; ++q) {
-      Vec16 block = scores_of<kChunks>(query + head_of(q), k, dim, scaling);
+      float* scores = scratch.weights.data() + q * stride + first;
+      store(scores, scores_of<kChunks>(query + head_of(q), k, dim, scaling));
       if (softcap > 0) {
-        for (int lane = 0; lane < kLanes; ++lane) block[lane] = std::tanh(block[lane] / softcap) * softcap;
+        for (int lane = 0; lane < kLanes; ++lane) scores[lane] = std::tanh(scores[lane] / softcap) * softcap;
       }
-      store(scratch.weights.data() + q * stride + first, block);
     }
   }
   // Scores to weights: exp(score - the largest score the query sees), 0 for keys it does not see,
@@ -239,13 +252,13 @@ void attend_run(const float* query, int64_t tokens, int64_t heads, int64_t group
     Vec16 largest = lowest;
     for (int64_t first = 0; first < n; first += kLanes) {
       const Vec16 scores = load(weights + first);
-      largest = nonzero(sees + first) && scores > largest ? scores : largest;
+      largest = select(nonzero(sees + first) & (scores > largest), scores, largest);
     }
     float best = -std::numeric_limits<float>::infinity();
     for (int lane = 0; lane < kLanes; ++lane) best = std::max(best, largest[lane]);
     for (int64_t first = 0; first < n; first += kLanes) {
       const Vec16 exponentials = exp16(load(weights + first) - best);
-      store(weights + first, nonzero(sees + first) ? exponentials : Vec16{});
+      store(weights + first, select(nonzero(sees + first), exponentials, Vec16{}));
     }
   }
   constexpr int kAtOnce = kQueriesAtOnce<kChunks>;
