@@ -141,31 +141,42 @@ void half_block_tile(const float* x, int64_t ldx, const float* w, int64_t k_size
                      int64_t ldy, int64_t columns, const NextBlock& next) {
   using reader_spec::FloatPart;
   constexpr int kHalf = kBlock / 2, kPart = kHalf / 2;
-  for (int64_t half = 0; half * kHalf < columns; ++half) {
-    FloatPart sums[R][2];
-    for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = FloatPart{};
-    const float* w_half = w + half * kHalf;
-    for (int64_t k = 0; k < k_size; ++k) {
-      if (next.bytes != nullptr && half == 0) __builtin_prefetch(next.bytes + ((k * next.step) >> 16));
-      const float* w_k = w_half + k * kBlock;
-      if (half == 0) {
-        __builtin_prefetch(reinterpret_cast<const char*>(w_k) + kPrefetchBytes<R>);
-        __builtin_prefetch(reinterpret_cast<const char*>(w_k) + kPrefetchBytes<R> + 64);
+  constexpr int64_t kChunk = 64;  // k per turn of the two halves: 8 KB of the block, read again from L1
+  const int halves = columns > kHalf ? 2 : 1;
+  FloatPart saved[2][R][2];
+  for (int half = 0; half < 2; ++half) {
+    for (int r = 0; r < R; ++r) saved[half][r][0] = saved[half][r][1] = FloatPart{};
+  }
+  for (int64_t chunk = 0; chunk < k_size; chunk += kChunk) {
+    const int64_t chunk_end = std::min(k_size, chunk + kChunk);
+    for (int half = 0; half < halves; ++half) {
+      FloatPart sums[R][2];
+      std::memcpy(sums, saved[half], sizeof(sums));
+      for (int64_t k = chunk; k < chunk_end; ++k) {
+        const float* w_k = w + half * kHalf + k * kBlock;
+        if (half == 0) {  // the first half reads the chunk from memory, the second from L1
+          if (next.bytes != nullptr) __builtin_prefetch(next.bytes + ((k * next.step) >> 16));
+          __builtin_prefetch(reinterpret_cast<const char*>(w_k) + kPrefetchBytes<R>);
+          __builtin_prefetch(reinterpret_cast<const char*>(w_k) + kPrefetchBytes<R> + 64);
+        }
+        FloatPart low, high;
+        std::memcpy(&low, w_k, sizeof(low));
+        std::memcpy(&high, w_k + kPart, sizeof(high));
+        for (int r = 0; r < R; ++r) {
+          const float value = x[r * ldx + k];
+          sums[r][0] += value * low;
+          sums[r][1] += value * high;
+        }
       }
-      FloatPart low, high;
-      std::memcpy(&low, w_k, sizeof(low));
-      std::memcpy(&high, w_k + kPart, sizeof(high));
-      for (int r = 0; r < R; ++r) {
-        const float value = x[r * ldx + k];
-        sums[r][0] += value * low;
-        sums[r][1] += value * high;
-      }
+      std::memcpy(saved[half], sums, sizeof(sums));
     }
+  }
+  for (int half = 0; half < halves; ++half) {
     const int64_t count = std::min<int64_t>(kHalf, columns - half * kHalf);
     for (int r = 0; r < R; ++r) {
       float out[kHalf];
-      std::memcpy(out, &sums[r][0], sizeof(FloatPart));
-      std::memcpy(out + kPart, &sums[r][1], sizeof(FloatPart));
+      std::memcpy(out, &saved[half][r][0], sizeof(FloatPart));
+      std::memcpy(out + kPart, &saved[half][r][1], sizeof(FloatPart));
       if (bias != nullptr) {
         for (int64_t c = 0; c < count; ++c) out[c] += bias[half * kHalf + c];  // after the sum, as in `tile`
       }
