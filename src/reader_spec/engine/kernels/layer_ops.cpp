@@ -93,6 +93,32 @@ inline Vec16 lane_sums(const Vec16 (&sums)[16]) {
   return __builtin_shuffle(eighths[0], eighths[1], Int16{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}) +
          __builtin_shuffle(eighths[0], eighths[1], Int16{1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31});
 }
+#elif defined(__AVX__)
+// The same tree on the struct's two 8-lane halves: first each vector's halves added (lane l: s[l] +
+// s[l+8]), then the three shuffle rounds above on eight lanes.
+inline Vec16 lane_sums(const Vec16 (&sums)[16]) {
+  using reader_spec::FloatPart;
+  using reader_spec::IntPart;
+  FloatPart halves[16], quarters[8], eighths[4];
+  for (int i = 0; i < 16; ++i) halves[i] = sums[i].part[0] + sums[i].part[1];
+  for (int i = 0; i < 8; ++i) {  // lanes 0-3: vector 2i's h[l] + h[l+4], 4-7: vector 2i+1's
+    const FloatPart a = halves[2 * i], b = halves[2 * i + 1];
+    quarters[i] = __builtin_shuffle(a, b, IntPart{0, 1, 2, 3, 8, 9, 10, 11}) +
+                  __builtin_shuffle(a, b, IntPart{4, 5, 6, 7, 12, 13, 14, 15});
+  }
+  for (int i = 0; i < 4; ++i) {  // lane pairs: vectors 4i..4i+3, q[l] + q[l+2]
+    const FloatPart a = quarters[2 * i], b = quarters[2 * i + 1];
+    eighths[i] = __builtin_shuffle(a, b, IntPart{0, 1, 4, 5, 8, 9, 12, 13}) +
+                 __builtin_shuffle(a, b, IntPart{2, 3, 6, 7, 10, 11, 14, 15});
+  }
+  Vec16 out;
+  for (int i = 0; i < 2; ++i) {  // lane m of part i: vector 8i+m, e[0] + e[1]
+    const FloatPart a = eighths[2 * i], b = eighths[2 * i + 1];
+    out.part[i] = __builtin_shuffle(a, b, IntPart{0, 2, 4, 6, 8, 10, 12, 14}) +
+                  __builtin_shuffle(a, b, IntPart{1, 3, 5, 7, 9, 11, 13, 15});
+  }
+  return out;
+}
 #else
 // The same tree on parts of native vectors: a lane's sum is ((s[l] + s[l+8]) + (s[l+4] + s[l+12])) +
 // ((s[l+2] + s[l+10]) + (s[l+6] + s[l+14])) for l = 0 then 1, and those two added, as above.
