@@ -194,7 +194,8 @@ def test_rows_do_not_depend_on_the_rest_of_the_pass(weight_format):
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
-            for start, stop in [(0, 1), (4, 5), (26, 27), (0, 2), (3, 6), (1, 9), (0, 12), (5, 18), (2, 27)]:
+            spans = [(0, 1), (4, 5), (26, 27), (0, 2), (3, 6), (20, 27), (1, 9), (7, 17), (0, 12), (5, 18)]
+            for start, stop in [*spans, (2, 27)]:
                 assert torch.equal(run(x[start:stop]), together[start:stop])
     finally:
         torch.set_num_threads(threads)

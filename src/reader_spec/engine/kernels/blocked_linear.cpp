@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "kernels.h"
 
@@ -222,6 +223,27 @@ void rows_tile(int rows, const float* x, int64_t ldx, const Weight* w, int64_t b
 template <typename Weight>
 constexpr int64_t kGroup = std::is_same_v<Weight, float> ? 1 : 2;
 
+// How `rows` rows are cut into tiles, each at most kMaxRows. AVX-512: equal tiles (16 rows: two of 8,
+// not 12 and 4). AVX2: tiles of 6 (the most the registers hold) and the rest in one. There a tile of 1
+// to 4 rows waits on the latency of its multiply-adds, not their rate (2 rows take about half as long
+// as 6, 4 rows as long as 5), so 8 rows run as 6 + 2, not 4 + 4, and where a 6-row tile would leave
+// 1 or 4 rows, the last two are 5 + 2 or 5 + 5.
+std::vector<int> tile_sizes(int64_t rows) {
+  std::vector<int> sizes;
+#ifdef __AVX512F__
+  const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows;
+  for (int64_t t = 0; t < tiles; ++t) sizes.push_back(static_cast<int>((t + 1) * rows / tiles - t * rows / tiles));
+#else
+  for (; rows > 0; rows -= sizes.back()) sizes.push_back(static_cast<int>(std::min<int64_t>(rows, kMaxRows)));
+  if (sizes.size() >= 2 && sizes[sizes.size() - 2] == kMaxRows && (sizes.back() == 1 || sizes.back() == 4)) {
+    const int last_two = kMaxRows + sizes.back();
+    sizes[sizes.size() - 2] = 5;
+    sizes.back() = last_two - 5;
+  }
+#endif
+  return sizes;
+}
+
 // y = x @ W.T (+ bias) for `rows` rows of x side by side, every block of columns (in parallel) times
 // every tile of rows.
 template <typename Weight>
@@ -229,15 +251,17 @@ void product(const float* x_data, int64_t rows, const Weight* w_data, int64_t k_
              const float* bias_data, float* y_data, int64_t out_features) {
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
   const int64_t block_stride = k_size * kBlock;
-  // Rows in equal tiles of at most kMaxRows (16 rows: two of 8, not 12 and 4).
-  const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows;
+  const std::vector<int> sizes = tile_sizes(rows);
+  const int64_t tiles = static_cast<int64_t>(sizes.size());
+  std::vector<int64_t> starts(tiles + 1, 0);
+  for (int64_t t = 0; t < tiles; ++t) starts[t + 1] = starts[t] + sizes[t];
   const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(Weight));
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t group = begin; group < end; group += kGroup<Weight>) {
       const int64_t width = std::min(kGroup<Weight>, end - group);  // blocks of this step
       for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t r = t * rows / tiles;
-        const int n = static_cast<int>((t + 1) * rows / tiles - r);
+        const int64_t r = starts[t];
+        const int n = sizes[t];
         const bool paired = width == 2 && n <= kPairedRows;
         for (int64_t b = group; b < group + width; b += paired ? 2 : 1) {
           // One tile reads its block from memory itself (prefetching a few k ahead); several share
