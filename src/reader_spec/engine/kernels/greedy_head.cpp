@@ -5,7 +5,7 @@
 // s_j q_j), the hidden state h as two int8 levels with a scale each (h ~ a q1 + b q2, the second
 // level quantizing what the first left; one level is not enough, a hidden state's few large features
 // would set a scale too coarse for the rest). Integer dot products are exact in any order, so every
-// path (AVX-512 VNNI, or plain vector code) gives the same sums; approx_j = s_j (a I1_j + b I2_j).
+// path (AVX-512 VNNI, AVX2 byte products, or plain vector code) gives the same sums; approx_j = s_j (a I1_j + b I2_j).
 // The distance to the float32 logit is bounded per column (see greedy_head.py):
 //   |exact_j - approx_j| <= norm * slack[j] + error * col_norm[j]
 // norm: max(|h|, |a q1| + |b q2|); error: |h - (a q1 + b q2)| with 5% to spare. The best column's
@@ -26,7 +26,7 @@
 
 #include "kernels.h"
 
-#ifdef __AVX512VNNI__
+#if defined(__AVX512VNNI__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -42,7 +42,11 @@ using reader_spec::Vec16;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroup = 4;       // k per int32 lane of the integer product
 constexpr int kLevels = 2;          // int8 levels of the hidden state
-constexpr int kTileRows = 4;        // 4 rows x 2 levels x 32 columns: 16 accumulators
+#if defined(__AVX512VNNI__) || !defined(__AVX2__)
+constexpr int kTileRows = 4;  // 4 rows x 2 levels x 32 columns: 16 zmm accumulators
+#else
+constexpr int kTileRows = 2;  // AVX2: 2 rows x 2 levels x 16 columns: 8 of the 16 ymm registers
+#endif
 constexpr int64_t kPrefetchBytes = 2048;
 // A row's hidden state in integers and what bounds the approximation it gives.
 struct QuantizedRow {
@@ -126,6 +130,45 @@ void integer_tile(const int32_t* q, int64_t groups, const uint8_t* w, const Quan
       const __m512i offset = _mm512_set1_epi32(128 * rows[r].sum[level]);
       _mm512_storeu_si512(sums[r][level], _mm512_sub_epi32(acc[r][level][0], offset));
       _mm512_storeu_si512(sums[r][level] + 16, _mm512_sub_epi32(acc[r][level][1], offset));
+    }
+  }
+#elif defined(__AVX2__)
+  // Without VNNI: vpmaddubsw multiplies unsigned by signed bytes and adds each pair into an int16,
+  // saturating, so the weights go in signed (w, the stored byte's top bit flipped) with the sign of x
+  // and x as its magnitude: a pair is at most 2 x 128 x 127 < 32767, exact; vpmaddwd by ones adds
+  // the pairs into int32. Half a block at a time (R x 2 levels x 16 columns: 4R accumulators), the
+  // second half reading the block again from L1.
+  (void)rows;
+  const __m256i top_bit = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; ++half) {
+    __m256i acc[R][kLevels][2];
+    for (int r = 0; r < R; ++r) {
+      for (int level = 0; level < kLevels; ++level) acc[r][level][0] = acc[r][level][1] = _mm256_setzero_si256();
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* bytes = w + g * kBlock * kGroup + half * kBlock * kGroup / 2;
+      if (half == 0) __builtin_prefetch(bytes + kPrefetchBytes);
+      __m256i weights[2];
+      for (int i = 0; i < 2; ++i) {
+        weights[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes) + i), top_bit);
+      }
+      for (int r = 0; r < R; ++r) {
+        for (int level = 0; level < kLevels; ++level) {
+          const __m256i x = _mm256_set1_epi32(q[(r * kLevels + level) * groups + g]);
+          const __m256i magnitude = _mm256_abs_epi8(x);
+          for (int i = 0; i < 2; ++i) {
+            const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(weights[i], x));
+            acc[r][level][i] = _mm256_add_epi32(acc[r][level][i], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int level = 0; level < kLevels; ++level) {
+        for (int i = 0; i < 2; ++i) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[r][level] + half * kBlock / 2) + i, acc[r][level][i]);
+        }
+      }
     }
   }
 #else
