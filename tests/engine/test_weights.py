@@ -203,6 +203,22 @@ def test_rows_do_not_depend_on_the_rest_of_the_pass(weight_format):
     assert torch.allclose(together, expected, rtol=0, atol=TOL)
 
 
+def test_many_rows_taken_a_share_at_a_time_give_each_row_its_own_result():
+    """Rows beyond what L2 holds beside a block (here 16 KB each) are multiplied a share at a time,
+    every share by every block: each row's outputs stay those it gets alone."""
+    if not kernels.available():
+        pytest.fail("the compiled kernels must build on this machine (make builds them)")
+    module = linear(70, 4096, bias=True, seed=7)
+    packed, _ = pack_linears([module])
+    x = torch.randn(100, 4096)
+    together = torch.ops.reader_spec.blocked_linear(x, packed.weight, packed.bias, 70)
+    for row in range(100):
+        alone = torch.ops.reader_spec.blocked_linear(x[row : row + 1], packed.weight, packed.bias, 70)
+        assert torch.equal(alone[0], together[row])
+    expected = nn.functional.linear(x, packed.plain_weight(), packed.bias)
+    assert torch.allclose(together, expected, rtol=0, atol=1e-3)
+
+
 def test_int8_on_other_dtypes_keeps_the_plain_layout():
     module = linear(64, 32, bias=True, seed=4).to(torch.bfloat16)
     weight = module.weight.float()
