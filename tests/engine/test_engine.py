@@ -386,6 +386,26 @@ def test_a_finished_request_frees_its_row_without_copying_any_cache(
         assert output.tokens == plain.tokens[: config.max_new_tokens]
 
 
+def test_the_cache_is_sized_once_for_every_prompt_of_a_generate_call(
+    tiny, prompts, plain_outputs, monkeypatch
+):
+    """Growing the cache copies every row of every layer: a call that knows all its prompts sizes it
+    before the first one starts, for the longest, and never grows it; outputs stay plain decoding's."""
+    from reader_spec.engine import kv_cache
+
+    def no_growth(*args):
+        raise AssertionError("the cache grew")
+
+    monkeypatch.setattr(kv_cache, "_padded", no_growth)
+    engine = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS)
+    configs = [replace(NO_EOS, max_new_tokens=n) for n in (3, 40, 9, 25, 1, 40, 17, 5, 30)]
+    outputs = engine.generate(prompts, configs, batch_size=4)
+    room = max(len(p) + c.max_new_tokens for p, c in zip(prompts, configs, strict=True)) + engine.budget + 2
+    assert engine._runner.cache.capacity >= room
+    for output, plain, config in zip(outputs, plain_outputs, configs, strict=True):
+        assert output.tokens == plain.tokens[: config.max_new_tokens]
+
+
 def test_a_prompt_without_room_in_the_context_is_refused_before_any_work(tiny):
     from reader_spec.prompts import PromptError
 

@@ -15,12 +15,8 @@ attention code unchanged; the engine supplies the 4D mask that hides other rows'
 
 from __future__ import annotations
 
-import math
-
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
-
-from reader_spec.engine.memory import HUGE_PAGE, PageArena
 
 
 class RaggedLayer(CacheLayerMixin):
@@ -39,8 +35,10 @@ class RaggedLayer(CacheLayerMixin):
         """Buffers shaped after a pass's keys and values (``[..., heads, tokens, head_dim]``)."""
         owner = self.owner
         shape = (owner.num_rows, key_states.shape[-3], owner.capacity)
-        self.keys = _zeros(key_states, (*shape, key_states.shape[-1]))
-        self.values = _zeros(value_states, (*shape, value_states.shape[-1]))
+        # Zeroed (a masked position's value still meets a zero weight) and on ordinary pages: huge
+        # pages made passes 1-2% faster but cost seconds to fault in at batch 32 (docs/runner.md).
+        self.keys = key_states.new_zeros((*shape, key_states.shape[-1]))
+        self.values = value_states.new_zeros((*shape, value_states.shape[-1]))
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -85,17 +83,9 @@ class RaggedLayer(CacheLayerMixin):
 
 def _padded(buffer: torch.Tensor, num_rows: int, capacity: int) -> torch.Tensor:
     """``buffer`` (``[rows, heads, capacity, dim]``) in a larger zeroed one."""
-    grown = _zeros(buffer, (num_rows, buffer.shape[1], capacity, buffer.shape[3]))
+    grown = buffer.new_zeros((num_rows, buffer.shape[1], capacity, buffer.shape[3]))
     grown[: buffer.shape[0], :, : buffer.shape[2]] = buffer
     return grown
-
-
-def _zeros(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """A zeroed buffer on ``like``'s device, on huge pages where that is a CPU and the buffer spans
-    some (every pass reads the rows it attends to, as it reads the weights: :mod:`.memory`)."""
-    if like.device.type != "cpu" or math.prod(shape) * like.element_size() < HUGE_PAGE:
-        return like.new_zeros(shape)
-    return PageArena(math.prod(shape) * like.element_size()).empty(shape, like.dtype).zero_()
 
 
 class RaggedKVCache(Cache):

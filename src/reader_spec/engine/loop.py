@@ -146,6 +146,9 @@ class Engine:
             self.add_request(e, c, request_id): i
             for i, (e, c, request_id) in enumerate(zip(encoded, configs, ids, strict=True))
         }
+        if encoded:  # every row's room at once: growing copies every row of every layer
+            room = max(self._room_for(e, c) for e, c in zip(encoded, configs, strict=True))
+            self._ensure_runner().cache.reserve(room)
         results: dict[int, Output] = {}
         while len(self.scheduler):
             for update in self.step():
@@ -172,7 +175,10 @@ class Engine:
     def step(self) -> list[Update]:
         """Admit waiting requests into free rows, then one verification pass over the running batch."""
         runner = self._ensure_runner()
-        for row, request in self.scheduler.admit():
+        admitted = self.scheduler.admit()
+        if admitted:  # one growth of the cache for all of them, if any
+            runner.cache.reserve(max(self._room_for(r.tokens, r.config) for _, r in admitted))
+        for row, request in admitted:
             self.scheduler.start(self._admit(runner, row, request))
         batch = self.scheduler.running
         if not batch:
@@ -329,7 +335,6 @@ class Engine:
             stats=RequestStats(prompt_tokens=len(tokens)),
             started=started,
         )
-        runner.cache.reserve(len(tokens) + seq.stop.max_new_tokens + self.budget + 2)
         # The last prompt token is the first root: prefill everything before it, so every later
         # step, this first one included, verifies a tree rooted at the pending token.
         runner.prefill(row, tokens[:-1])
@@ -359,6 +364,10 @@ class Engine:
                 f"{self.max_context:,}: there is no room to generate"
             )
         return tokens
+
+    def _room_for(self, tokens: list[int], config: GenerationConfig) -> int:
+        """Cache positions a request may fill: its prompt, its new tokens and a step's tree."""
+        return len(tokens) + self._stop_criteria(config, len(tokens)).max_new_tokens + self.budget + 2
 
     def _stop_criteria(self, config: GenerationConfig, prompt_length: int) -> StopCriteria:
         eos = config.eos_token_ids
