@@ -228,13 +228,15 @@ constexpr int64_t kGroup = std::is_same_v<Weight, float> ? 1 : 2;
 // not 12 and 4). AVX2: tiles of 6 (the most the registers hold) and the rest in one. There a tile of 1
 // to 4 rows waits on the latency of its multiply-adds, not their rate (2 rows take about half as long
 // as 6, 4 rows as long as 5), so 8 rows run as 6 + 2, not 4 + 4, and where a 6-row tile would leave
-// 1 or 4 rows, the last two are 5 + 2 or 5 + 5.
+// 1 or 4 rows, the last two are 5 + 2 or 5 + 5. 4 rows alone run as 2 + 2: two whole-block tiles of 8
+// sums each keep more multiply-adds in flight than one half-block tile of 4 rows.
 std::vector<int> tile_sizes(int64_t rows) {
   std::vector<int> sizes;
 #ifdef __AVX512F__
   const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows;
   for (int64_t t = 0; t < tiles; ++t) sizes.push_back(static_cast<int>((t + 1) * rows / tiles - t * rows / tiles));
 #else
+  if (rows == 4) return {2, 2};
   for (; rows > 0; rows -= sizes.back()) sizes.push_back(static_cast<int>(std::min<int64_t>(rows, kMaxRows)));
   if (sizes.size() >= 2 && sizes[sizes.size() - 2] == kMaxRows && (sizes.back() == 1 || sizes.back() == 4)) {
     const int last_two = kMaxRows + sizes.back();
