@@ -147,7 +147,10 @@ void integer_tile(const int32_t* q, int64_t groups, const uint8_t* w, const Quan
     }
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* bytes = w + g * kBlock * kGroup + half * kBlock * kGroup / 2;
-      if (half == 0) __builtin_prefetch(bytes + kPrefetchBytes);
+      if (half == 0) {  // both halves' lines: the second half reads them after the whole K
+        __builtin_prefetch(bytes + kPrefetchBytes);
+        __builtin_prefetch(bytes + kPrefetchBytes + 64);
+      }
       __m256i weights[2];
       for (int i = 0; i < 2; ++i) {
         weights[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes) + i), top_bit);
