@@ -154,12 +154,15 @@ struct AttentionScratch {
   std::vector<float> weights;
 };
 
-// Keys (and values) are fetched this many ahead of their use: each is a few cache lines at scattered
-// rows of the cache, which a batch's pass reads from memory (its rows are megabytes).
+// Keys (and values) are fetched this many ahead of their use: each is a few cache lines of a row of
+// the cache, which a batch's pass reads from memory (its rows are megabytes). A key right after the
+// one before it is left to the hardware's stream prefetcher: requesting every line of a run of
+// consecutive keys as well made attention 6-14% slower on an AMD EPYC (Zen 3).
 constexpr int64_t kPrefetchKeys = 32;
 
 inline void prefetch_rows(const float* base, const int32_t* keys_seen, int64_t begin, int64_t end, int64_t dim) {
   for (int64_t i = begin; i < end; ++i) {
+    if (i > 0 && keys_seen[i] == keys_seen[i - 1] + 1) continue;
     const char* row = reinterpret_cast<const char*>(base + keys_seen[i] * dim);
     for (int64_t line = 0; line < dim * static_cast<int64_t>(sizeof(float)); line += 64) __builtin_prefetch(row + line);
   }
