@@ -48,7 +48,9 @@ class PageArena:
     """
 
     def __init__(self, capacity: int):
-        self._buffer = torch.empty(capacity + HUGE_PAGE, dtype=torch.uint8)
+        # A mapping of its own, not memory from malloc: the huge-page advice ends with the arena, where
+        # a freed heap region would keep it and hand it on to later allocations (a KV cache's buffers).
+        self._buffer = torch.frombuffer(mmap.mmap(-1, capacity + HUGE_PAGE), dtype=torch.uint8)
         self._offset = -self._buffer.data_ptr() % HUGE_PAGE  # the first huge page boundary
         self._end = self._offset + capacity
         if _madvise is not None and capacity >= HUGE_PAGE:
