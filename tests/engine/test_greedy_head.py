@@ -74,7 +74,8 @@ def test_outliers_widen_the_bound_without_changing_the_token():
 
 def test_hidden_states_with_a_few_huge_features_keep_the_token():
     """A model's hidden state often has a few features far larger than the rest: one int8 level's
-    scale would be too coarse for the others, the second level keeps the bound tight enough."""
+    scale would be too coarse for the others; two int8 levels, or one int16 level, keep the bound
+    tight enough."""
     torch.manual_seed(4)
     head, greedy = head_of(torch.randn(3000, 128) * 0.05)
     hidden = torch.randn(40, 128)
@@ -82,11 +83,19 @@ def test_hidden_states_with_a_few_huge_features_keep_the_token():
     assert torch.equal(greedy(hidden), full_argmax(head, hidden))
 
 
-def test_the_hidden_states_own_quantization_error_is_in_the_bound():
-    """Two columns whose order the hidden state's int8 levels reverse: the first level takes the one
-    large feature (scale 1), the second the rest (scale 2^-8) and leaves each of them 0.45 of a step
-    off, in the direction that favours column 0 exactly. Column 0's weights are exact in int8, so
-    only the hidden state's error can keep it among the candidates."""
+@pytest.mark.parametrize(
+    "largest, second",
+    [
+        (127.0, 127 / 256),  # two int8 levels (AVX-512 VNNI): scales 1 and 2^-8
+        (32767 / 256, 0.0),  # one int16 level of 32,767 steps (64 features; elsewhere): scale 2^-8
+    ],
+)
+def test_the_hidden_states_own_quantization_error_is_in_the_bound(largest, second):
+    """Two columns whose order the hidden state's quantization reverses: one large feature sets a
+    scale that leaves each of the other features 0.45 of a 2^-8 step off, in the direction that
+    favours column 0 exactly (each case does so for one of the two quantizations the kernel has).
+    Column 0's weights are exact in int8, so only the hidden state's error can keep it among the
+    candidates."""
     rng = torch.Generator().manual_seed(6)
     sign = torch.randint(0, 2, (62,), generator=rng) * 2 - 1
     steps = torch.randint(-60, 61, (62,), generator=rng)
@@ -94,7 +103,7 @@ def test_the_hidden_states_own_quantization_error_is_in_the_bound():
     for i in range(abs(excess)):
         steps[i % 62] -= sign[i % 62] * (1 if excess > 0 else -1)
     hidden = torch.zeros(1, 64)
-    hidden[0, 0], hidden[0, 1] = 127.0, 127 / 256  # the second level's scale: 2^-8
+    hidden[0, 0], hidden[0, 1] = largest, second
     hidden[0, 2:] = (steps + 0.45 * sign) / 256
     weight = torch.zeros(2, 64)
     weight[0, 2:] = sign / 128.0

@@ -4,10 +4,11 @@ Greedy decoding needs one thing from a pass's output layer: the token with the l
 layer is the largest matrix of a small model (49,152 x 576 in SmolLM2-135M, a fifth of its weights),
 and a pass of a few tokens costs what reading it costs. :class:`GreedyHead` keeps an int8 copy of the
 matrix (a quarter of the bytes) and approximates every logit in integers: the hidden state is
-quantized to two int8 levels (the second quantizes what the first left over), and int8 dot products
-run at twice to four times float32's rate where the CPU has them (AVX-512 VNNI) and are exact in any
-order. Float32 logits are then computed only for the columns whose bound says they can still be the
-largest (a handful on real text), by the same compiled tile as the full product. The token is the full
+quantized to about 15 bits (two int8 levels, the second quantizing what the first left over, for
+AVX-512 VNNI's byte products; one int16 level elsewhere, for AVX2's 16-bit products), and integer dot
+products run at twice to four times float32's rate and are exact in any order. Float32 logits are
+then computed only for the columns whose bound says they can still be the largest (a handful on real
+text), by the same compiled tile as the full product. The token is the full
 product's argmax bit for bit, ties included (the first of equal maxima, as ``torch.argmax``), so
 greedy outputs do not change. Where the whole float32 layer is faster (timed once per row bucket, as
 the kernels are), it runs instead.

@@ -2,10 +2,13 @@
 // equal maxima, as torch.argmax), while reading the float32 matrix only for a few columns.
 //
 // Every logit is first approximated in integers: the matrix as int8 with a scale per column (w_j ~
-// s_j q_j), the hidden state h as two int8 levels with a scale each (h ~ a q1 + b q2, the second
-// level quantizing what the first left; one level is not enough, a hidden state's few large features
-// would set a scale too coarse for the rest). Integer dot products are exact in any order, so every
-// path (AVX-512 VNNI, AVX2 byte products, or plain vector code) gives the same sums; approx_j = s_j (a I1_j + b I2_j).
+// s_j q_j), the hidden state h in about 15 bits. With AVX-512 VNNI, whose byte products are the fastest,
+// as two int8 levels with a scale each (h ~ a q1 + b q2, the second quantizing what the first left; one
+// int8 level is not enough, a hidden state's few large features would set a scale too coarse for the
+// rest); elsewhere as one int16 level (h ~ a q1) at up to 14 bits, as many as the int32 sums allow
+// for K features: AVX2 multiplies int16 pairs (vpmaddwd) with half the instructions two byte levels
+// take. Integer dot products are exact in any order; approx_j = s_j (a I1_j + b I2_j), the second
+// level absent where there is one.
 // The distance to the float32 logit is bounded per column (see greedy_head.py):
 //   |exact_j - approx_j| <= norm * slack[j] + error * col_norm[j]
 // norm: max(|h|, |a q1| + |b q2|); error: |h - (a q1 + b q2)| with 5% to spare. The best column's
@@ -40,27 +43,45 @@ using reader_spec::to_float;
 using reader_spec::Vec16;
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kGroup = 4;       // k per int32 lane of the integer product
-constexpr int kLevels = 2;          // int8 levels of the hidden state
-#if defined(__AVX512VNNI__) || !defined(__AVX2__)
+constexpr int64_t kGroup = 4;  // k per lane of the integer product (4 bytes of weights per column)
+#ifdef __AVX512VNNI__
+using Level = int8_t;     // one feature of a level of the hidden state
+using Group = int32_t;    // the 4 features of a group, as the products broadcast them
+constexpr int kLevels = 2;
 constexpr int kTileRows = 4;  // 4 rows x 2 levels x 32 columns: 16 zmm accumulators
 #else
-constexpr int kTileRows = 2;  // AVX2: 2 rows x 2 levels x 16 columns: 8 of the 16 ymm registers
+using Level = int16_t;
+using Group = int64_t;
+constexpr int kLevels = 1;
+#ifdef __AVX2__
+constexpr int kTileRows = 2;  // 2 rows x 16 columns as 4 vectors of column pairs: 8 of the 16 ymm registers
+#else
+constexpr int kTileRows = 4;
+#endif
 #endif
 constexpr int64_t kPrefetchBytes = 2048;
+
+// The largest |q| of a level: 127 in int8; in int16, what keeps every sum over K features of the
+// unsigned weights (w + 128 <= 255) times q within int32.
+int32_t largest_level(int64_t k_size) {
+  if constexpr (sizeof(Level) == 1) return 127;
+  return static_cast<int32_t>(std::min<int64_t>(32767, std::numeric_limits<int32_t>::max() / (255 * k_size)));
+}
+
 // A row's hidden state in integers and what bounds the approximation it gives.
 struct QuantizedRow {
   float scale[kLevels];
-  int32_t sum[kLevels];  // of the level's q: VNNI multiplies unsigned weights (w + 128), this takes the 128 back
+  int32_t sum[kLevels];  // of the level's q: the products multiply unsigned weights (w + 128), this takes the 128 back
   float norm = 0, error = 0;
   bool finite = true;
 };
 
-// Rows to two int8 levels, 4 per int32 (k in order, zero past k_size): q [rows][levels][groups].
+// Rows to kLevels levels, 4 features per Group (k in order, zero past k_size): q [rows][levels][groups].
 std::vector<QuantizedRow> quantize_rows(const float* x, int64_t rows, int64_t k_size, int64_t groups,
-                                        std::vector<int32_t>& q) {
+                                        std::vector<Group>& q) {
   std::vector<QuantizedRow> quantized(rows);
   q.assign(rows * kLevels * groups, 0);
+  const float limit = static_cast<float>(largest_level(k_size));
   std::vector<float> rest(k_size);
   std::vector<double> approx(k_size);
   for (int64_t r = 0; r < rows; ++r) {
@@ -78,16 +99,16 @@ std::vector<QuantizedRow> quantize_rows(const float* x, int64_t rows, int64_t k_
     for (int level = 0; level < kLevels; ++level) {
       float largest = 0;
       for (int64_t k = 0; k < k_size; ++k) largest = std::max(largest, std::fabs(rest[k]));
-      const float scale = largest / 127.0f;
+      const float scale = largest / limit;
       row.scale[level] = scale;
       row.sum[level] = 0;
-      int8_t* bytes = reinterpret_cast<int8_t*>(q.data() + (r * kLevels + level) * groups);
+      Level* values = reinterpret_cast<Level*>(q.data() + (r * kLevels + level) * groups);
       double level_squares = 0;
       for (int64_t k = 0; k < k_size && scale > 0; ++k) {
-        const float value = std::clamp(std::nearbyint(rest[k] / scale), -127.0f, 127.0f);
-        bytes[k] = static_cast<int8_t>(value);
-        row.sum[level] += bytes[k];
-        const double part = static_cast<double>(scale) * value;  // exact: 24 x 8 bits
+        const float value = std::clamp(std::nearbyint(rest[k] / scale), -limit, limit);
+        values[k] = static_cast<Level>(value);
+        row.sum[level] += values[k];
+        const double part = static_cast<double>(scale) * value;  // exact: 24 x 16 bits
         approx[k] += part;
         level_squares += part * part;
         rest[k] = static_cast<float>(h[k] - approx[k]);
@@ -103,9 +124,10 @@ std::vector<QuantizedRow> quantize_rows(const float* x, int64_t rows, int64_t k_
 }
 
 // sums[r][level][c] = sum over k of q[r][level][k] * w[c][k] for R rows and one block of 32 columns;
-// w: the block's unsigned bytes (w + 128) in groups of 4 k per column, [groups][32][4].
+// w: the block's unsigned bytes (w + 128) in groups of 4 k per column, [groups][32][4]. VNNI and AVX2
+// multiply the unsigned bytes and take 128 times the row's sum of q back at the end.
 template <int R>
-void integer_tile(const int32_t* q, int64_t groups, const uint8_t* w, const QuantizedRow* rows,
+void integer_tile(const Group* q, int64_t groups, const uint8_t* w, const QuantizedRow* rows,
                   int32_t (*sums)[kLevels][kBlock]) {
 #ifdef __AVX512VNNI__
   __m512i acc[R][kLevels][2];
@@ -133,17 +155,14 @@ void integer_tile(const int32_t* q, int64_t groups, const uint8_t* w, const Quan
     }
   }
 #elif defined(__AVX2__)
-  // Without VNNI: vpmaddubsw multiplies unsigned by signed bytes and adds each pair into an int16,
-  // saturating, so the weights go in signed (w, the stored byte's top bit flipped) with the sign of x
-  // and x as its magnitude: a pair is at most 2 x 128 x 127 < 32767, exact; vpmaddwd by ones adds
-  // the pairs into int32. Half a block at a time (R x 2 levels x 16 columns: 4R accumulators), the
-  // second half reading the block again from L1.
-  (void)rows;
-  const __m256i top_bit = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  // vpmaddwd multiplies int16 pairs and adds each pair into an int32: a group's 16 bytes of 4 columns
+  // widened to int16 ([c0 k0..k3, c1 k0..k3, ...]) times the row's 4 q repeated give each column's
+  // sums of (k0, k1) and of (k2, k3) side by side, added at the end. Half a block at a time (16
+  // columns: 4 vectors per row), the second half reading the block again from L1.
   for (int half = 0; half < 2; ++half) {
-    __m256i acc[R][kLevels][2];
+    __m256i acc[R][4];
     for (int r = 0; r < R; ++r) {
-      for (int level = 0; level < kLevels; ++level) acc[r][level][0] = acc[r][level][1] = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_si256();
     }
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* bytes = w + g * kBlock * kGroup + half * kBlock * kGroup / 2;
@@ -151,26 +170,21 @@ void integer_tile(const int32_t* q, int64_t groups, const uint8_t* w, const Quan
         __builtin_prefetch(bytes + kPrefetchBytes);
         __builtin_prefetch(bytes + kPrefetchBytes + 64);
       }
-      __m256i weights[2];
-      for (int i = 0; i < 2; ++i) {
-        weights[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes) + i), top_bit);
+      __m256i weights[4];
+      for (int j = 0; j < 4; ++j) {
+        weights[j] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes) + j));
       }
       for (int r = 0; r < R; ++r) {
-        for (int level = 0; level < kLevels; ++level) {
-          const __m256i x = _mm256_set1_epi32(q[(r * kLevels + level) * groups + g]);
-          const __m256i magnitude = _mm256_abs_epi8(x);
-          for (int i = 0; i < 2; ++i) {
-            const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(weights[i], x));
-            acc[r][level][i] = _mm256_add_epi32(acc[r][level][i], _mm256_madd_epi16(pairs, ones));
-          }
-        }
+        const __m256i x = _mm256_set1_epi64x(q[r * groups + g]);
+        for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(weights[j], x));
       }
     }
     for (int r = 0; r < R; ++r) {
-      for (int level = 0; level < kLevels; ++level) {
-        for (int i = 0; i < 2; ++i) {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums[r][level] + half * kBlock / 2) + i, acc[r][level][i]);
-        }
+      int32_t pairs[4][8];
+      for (int j = 0; j < 4; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs[j]), acc[r][j]);
+      const int32_t offset = 128 * rows[r].sum[0];
+      for (int c = 0; c < kBlock / 2; ++c) {
+        sums[r][0][half * kBlock / 2 + c] = pairs[c / 4][2 * (c % 4)] + pairs[c / 4][2 * (c % 4) + 1] - offset;
       }
     }
   }
@@ -187,7 +201,7 @@ void integer_tile(const int32_t* q, int64_t groups, const uint8_t* w, const Quan
       for (int half = 0; half < 2; ++half) weights[half] = ((packed[half] >> (8 * i)) & 0xff) - 128;
       for (int r = 0; r < R; ++r) {
         for (int level = 0; level < kLevels; ++level) {
-          const int32_t x = static_cast<int8_t>(q[(r * kLevels + level) * groups + g] >> (8 * i));
+          const int32_t x = reinterpret_cast<const Level*>(q + (r * kLevels + level) * groups + g)[i];
           for (int half = 0; half < 2; ++half) acc[r][level][half] += weights[half] * x;
         }
       }
@@ -202,7 +216,7 @@ void integer_tile(const int32_t* q, int64_t groups, const uint8_t* w, const Quan
 }
 
 template <int R = kTileRows>
-void integer_rows(int rows, const int32_t* q, int64_t groups, const uint8_t* w, const QuantizedRow* quantized,
+void integer_rows(int rows, const Group* q, int64_t groups, const uint8_t* w, const QuantizedRow* quantized,
                   int32_t (*sums)[kLevels][kBlock]) {
   if constexpr (R > 1) {
     if (rows < R) return integer_rows<R - 1>(rows, q, groups, w, quantized, sums);
@@ -266,7 +280,7 @@ at::Tensor greedy_tokens(const at::Tensor& hidden, const at::Tensor& weight, con
               "greedy_tokens: hidden must be float32 [..., K]");
   const at::Tensor x = hidden.reshape({-1, k_size}).contiguous();
   const int64_t rows = x.size(0);
-  std::vector<int32_t> q;
+  std::vector<Group> q;
   const std::vector<QuantizedRow> quantized = quantize_rows(x.data_ptr<float>(), rows, k_size, groups, q);
 
   // Approximate logits of every row, blocks of columns in parallel.
@@ -286,9 +300,9 @@ at::Tensor greedy_tokens(const at::Tensor& hidden, const at::Tensor& weight, con
           const QuantizedRow& row = quantized[first + r];
           float* out = approx.data() + (first + r) * blocks * kBlock + b * kBlock;
           for (int64_t half = 0; half < kBlock; half += kLanes) {
-            const Int16 first_level = load(sums[r][0] + half), second_level = load(sums[r][1] + half);
-            const Vec16 logits = load(scale + b * kBlock + half) *
-                                 (row.scale[0] * to_float(first_level) + row.scale[1] * to_float(second_level));
+            Vec16 hidden_sums = row.scale[0] * to_float(load(sums[r][0] + half));
+            if constexpr (kLevels == 2) hidden_sums += row.scale[1] * to_float(load(sums[r][1] + half));
+            const Vec16 logits = load(scale + b * kBlock + half) * hidden_sums;
             reader_spec::store(out + half, logits);
           }
         }
