@@ -64,14 +64,17 @@ constexpr int64_t kPrefetchBytes = 2048;
 // The largest |q| of a level: 127 in int8; in int16, what keeps every sum over K features of the
 // unsigned weights (w + 128 <= 255) times q within int32.
 int32_t largest_level(int64_t k_size) {
-  if constexpr (sizeof(Level) == 1) return 127;
-  return static_cast<int32_t>(std::min<int64_t>(32767, std::numeric_limits<int32_t>::max() / (255 * k_size)));
+  if constexpr (sizeof(Level) == 1) {
+    return 127;
+  } else {
+    return static_cast<int32_t>(std::min<int64_t>(32767, std::numeric_limits<int32_t>::max() / (255 * k_size)));
+  }
 }
 
 // A row's hidden state in integers and what bounds the approximation it gives.
 struct QuantizedRow {
   float scale[kLevels];
-  int32_t sum[kLevels];  // of the level's q: the products multiply unsigned weights (w + 128), this takes the 128 back
+  int32_t sum[kLevels];  // of the level's q: the products multiply unsigned weights (w + 128); takes the 128 back
   float norm = 0, error = 0;
   bool finite = true;
 };
