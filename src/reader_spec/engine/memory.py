@@ -40,6 +40,12 @@ def _libc_madvise():
 _madvise = _libc_madvise()
 
 
+def _anonymous_private(size: int) -> mmap.mmap:
+    if hasattr(mmap, "MAP_PRIVATE"):  # Unix; Windows maps anonymous memory privately anyway
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+    return mmap.mmap(-1, size)
+
+
 class PageArena:
     """Tensors carved one after another from a single allocation whose pages are huge where possible.
 
@@ -50,7 +56,8 @@ class PageArena:
     def __init__(self, capacity: int):
         # A mapping of its own, not memory from malloc: the huge-page advice ends with the arena, where
         # a freed heap region would keep it and hand it on to later allocations (a KV cache's buffers).
-        self._buffer = torch.frombuffer(mmap.mmap(-1, capacity + HUGE_PAGE), dtype=torch.uint8)
+        # Private: shared anonymous memory is shmem, which gets no transparent huge pages by default.
+        self._buffer = torch.frombuffer(_anonymous_private(capacity + HUGE_PAGE), dtype=torch.uint8)
         self._offset = -self._buffer.data_ptr() % HUGE_PAGE  # the first huge page boundary
         self._end = self._offset + capacity
         if _madvise is not None and capacity >= HUGE_PAGE:
