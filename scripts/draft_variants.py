@@ -45,18 +45,21 @@ def rounded(model, bits: int, group: int | None):
     return copied
 
 
-def integer_inputs(model, levels: int):
+def integer_inputs(model, levels: int, wide: bool = False):
     """The int8 copy whose linear layers also round their inputs to ``levels`` int8 levels per row
-    (each level quantizes what the ones before left): what integer products (VNNI) would compute."""
+    (each level quantizes what the ones before left): what integer products (VNNI) would compute.
+    ``wide``: one 16-bit level instead, as many steps as int32 sums of K products with the weights
+    (offset to unsigned, at most 255) allow: what AVX2's integer product computes."""
     copied = rounded(model, 8, None)
 
     def quantize(module, args):
         x = args[0]
+        top = min(32767, 2**31 // (255 * x.shape[-1])) if wide else 127
         approx = torch.zeros_like(x)
         for _ in range(levels):
             rest = x - approx
-            scale = (rest.abs().amax(-1, keepdim=True) / 127).clamp_min(torch.finfo(x.dtype).tiny)
-            approx = approx + (rest / scale).round().clamp(-127, 127) * scale
+            scale = (rest.abs().amax(-1, keepdim=True) / top).clamp_min(torch.finfo(x.dtype).tiny)
+            approx = approx + (rest / scale).round().clamp(-top, top) * scale
         return (approx, *args[1:])
 
     for module in copied.modules():
@@ -115,6 +118,7 @@ def main() -> None:
         "int8 per output channel": lambda: rounded(target, 8, None),
         "int8 weights, inputs in one int8 level per row": lambda: integer_inputs(target, 1),
         "int8 weights, inputs in two int8 levels per row": lambda: integer_inputs(target, 2),
+        "int8 weights, inputs in one 16-bit level per row": lambda: integer_inputs(target, 1, wide=True),
         "int4, groups of 32": lambda: rounded(target, 4, 32),
         "int4, groups of 64": lambda: rounded(target, 4, 64),
         **{

@@ -268,8 +268,10 @@ def test_steps_write_in_place_without_reallocating(model):
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_an_int8_copy_of_a_packed_model_verifies_close_to_float32(family):
     """A draft model: a copy of a model the fast runner packed (float32), packed again as int8 (fused,
-    tied and soft-capped families alike). Its tree logits are close to the float32 model's and equal
-    to its own transformers forward's; the float32 model is untouched."""
+    tied and soft-capped families alike). Its tree logits are close to the float32 model's and to its
+    own transformers forward's (within 1e-4, not 1e-5: int8 products round each input row to
+    integers, and inputs an ulp apart, as the two forwards compute them, can round a step apart); the
+    float32 model is untouched."""
     from reader_spec.engine.decoder import FastDecoder
 
     torch.manual_seed(0)
@@ -288,7 +290,7 @@ def test_an_int8_copy_of_a_packed_model_verifies_close_to_float32(family):
     expected = full_logits(case, tokens)[9:]
     assert 0 < (logits - expected).abs().max() < 0.1 * expected.abs().max()
     with torch.no_grad():
-        assert (draft(torch.tensor([tokens])).logits[0][9:] - logits).abs().max() < TOL
+        assert (draft(torch.tensor([tokens])).logits[0][9:] - logits).abs().max() < 1e-4
         assert (model(torch.tensor([tokens])).logits[0] - full_logits(case, tokens)).abs().max() < TOL
 
 

@@ -561,7 +561,7 @@ def _native_layer(layer: _Layer) -> torch.ScriptObject | None:
         None if layer.key_norm is None else layer.key_norm.weight,
         layer.mlp_input_norm.weight,
         epsilons.pop(),
-        *(classes.Linear(m.weight, m.scales, m.bias, m.out_features) for m in layer.linears),
+        *(classes.Linear(m.weight, m.scales, m.bias, m.in_features, m.out_features) for m in layer.linears),
         layer.heads,
         key_size // head_dim,
         head_dim,

@@ -30,11 +30,17 @@ import torch
 
 from reader_spec.engine import kernels
 from reader_spec.engine.memory import PageArena
-from reader_spec.engine.weights import BLOCK, ROW_BUCKETS, PackedLinear, fastest, quantize_int8
+from reader_spec.engine.weights import (
+    BLOCK,
+    INT8_GROUP,
+    ROW_BUCKETS,
+    PackedLinear,
+    fastest,
+    quantize_int8,
+    to_groups,
+)
 
 UNIT_ROUNDOFF = 2.0**-24
-INT8_GROUP = 4
-"""k per 32-bit lane of the integer product (VNNI multiplies and adds four byte pairs at once)."""
 CHUNK_BLOCKS = 128
 """Blocks of 32 columns quantized at a time: a few MB of temporaries, never a whole float copy."""
 
@@ -49,8 +55,7 @@ class GreedyHead:
         self.quantized = PageArena(blocks * groups * BLOCK * INT8_GROUP).empty(
             (blocks, groups, BLOCK * INT8_GROUP), torch.uint8
         )
-        """The int8 copy as the integer product reads it: per block, each group of 4 k of its 32 columns
-        side by side, as ``w + 128`` (the unsigned operand of VNNI's multiply-add), zero past K."""
+        """The int8 copy as the integer product reads it (:func:`~reader_spec.engine.weights.to_groups`)."""
         self.scales = torch.empty(blocks * BLOCK)
         self.slack = torch.empty(blocks * BLOCK)
         self.norms = torch.empty(blocks * BLOCK)
@@ -61,10 +66,7 @@ class GreedyHead:
             columns = slice(first * BLOCK, first * BLOCK + plain.shape[0])
             self.scales[columns] = scales
             self.slack[columns], self.norms[columns] = _slack(plain, quantized, scales)
-            padded = torch.nn.functional.pad(quantized, (0, groups * INT8_GROUP - features))
-            grouped = padded.view(-1, BLOCK, groups, INT8_GROUP).transpose(1, 2)
-            unsigned = (grouped.to(torch.int16) + 128).to(torch.uint8)
-            self.quantized[first : first + CHUNK_BLOCKS] = unsigned.flatten(2)
+            self.quantized[first : first + CHUNK_BLOCKS] = to_groups(quantized, quantized.shape[0])
         self._wins_by_bucket: dict[int, bool] = {}
         """Whether the int8 copy beats the whole float32 layer at that row bucket (timed once)."""
 

@@ -10,10 +10,14 @@ dtypes keep the plain layout and ``F.linear``.
 
 The storage format is a choice of the packing step (:data:`WEIGHT_FORMATS`): the model's own float
 weights, or int8 with a float scale per output row (symmetric, per output channel), for a draft
-model that only needs to be close. On a CPU int8 matrices take the same column blocks, read by the
-compiled kernel's int8 op (a quarter of the bytes of float32); elsewhere, or without a compiler, they
-are dequantized for each product. PyTorch's own int8 kernel (``torch._weight_int8pack_mm``) is no
-use here: on a CPU it is several times slower than float32 at a few rows.
+model that only needs to be close. On a CPU int8 matrices take the same column blocks, each block's
+k in groups of 4 (``[out / 32, in / 4, 128]``, unsigned), and are multiplied in integers by the
+compiled ``int8_linear`` (a quarter of the bytes of float32, and no conversion of each weight to
+float, which cost more than reading it at a few rows): each row of the input is rounded to 16-bit
+integers (two int8 levels with AVX-512 VNNI) with a scale of its own, so a row's outputs do not
+depend on the rest of the pass. Elsewhere, or without a compiler, int8 matrices are dequantized for
+each product. PyTorch's own int8 kernel (``torch._weight_int8pack_mm``) is no use here: on a CPU it
+is several times slower than float32 at a few rows.
 
 Packing replaces the model's ``nn.Linear`` modules by :class:`PackedLinear` modules (the model's own
 forward still runs) and frees the originals, so no second copy of the weights is kept. Projections
@@ -35,6 +39,8 @@ from reader_spec.engine import kernels
 from reader_spec.engine.memory import PageArena, release_file_pages
 
 BLOCK = kernels.BLOCK
+INT8_GROUP = 4
+"""k per 32-bit lane of the integer product (VNNI multiplies and adds four byte pairs at once)."""
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 """Row counts at which the kernels are timed; a pass uses the choice of the next bucket up (larger
 passes, the batched matmul). The largest covers a prompt's chunk (``runner.PREFILL_CHUNK``): PyTorch's
@@ -57,16 +63,17 @@ row (``W ≈ q * scale``, ``scale = max |row| / 127``, rounded to nearest), scal
 class PackedLinear(nn.Module):
     """``F.linear(x, W, b)`` with ``W`` stored for the shapes the engine runs.
 
-    ``blocked``: ``weight`` is ``[blocks, in, 32]`` (CPU, float32), else the plain matrix. A fused
-    matrix knows where its parts' outputs lie (``parts``: start and size of each), for :meth:`split`.
-    ``scales`` (int8 weights): ``W = weight * scales`` per output row, one scale per stored row
-    (blocked: padding rows included); the bias stays in the model's dtype.
+    ``blocked``: ``weight`` is ``[blocks, in, 32]`` (CPU, float32; int8: :func:`to_groups`), else the
+    plain matrix. A fused matrix knows where its parts' outputs lie (``parts``: start and size of
+    each), for :meth:`split`. ``scales`` (int8 weights): ``W = weight * scales`` per output row, one
+    scale per stored row (blocked: padding rows included); the bias stays in the model's dtype.
     """
 
     def __init__(
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
+        in_features: int,
         out_features: int,
         blocked: bool,
         parts: Sequence[tuple[int, int]] = (),
@@ -77,7 +84,7 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.scales = None if scales is None else nn.Parameter(scales, requires_grad=False)
         self.out_features = out_features
-        self.in_features = weight.shape[1]
+        self.in_features = in_features
         self.blocked = blocked
         self.parts = tuple(parts) or ((0, out_features),)
         self._compiled_by_rows: dict[int, bool] = {}
@@ -112,13 +119,20 @@ class PackedLinear(nn.Module):
 
     def _forward_int8(self, x: torch.Tensor, rows: int, compiled: bool) -> torch.Tensor:
         if compiled:
-            return torch.ops.reader_spec.blocked_linear_int8(
-                x, self.weight, self.scales, self.bias, self.out_features
+            return torch.ops.reader_spec.int8_linear(
+                x, self.weight, self.scales, self.bias, self.in_features, self.out_features
             )
         # Without the compiled kernel: the blocks as floats, then the batched matmul, scaled per column.
         flat = x.reshape(rows, self.in_features)
-        out = torch.matmul(flat, self.weight.to(flat.dtype)) * self.scales.view(-1, 1, BLOCK)
+        out = torch.matmul(flat, self._int8_blocks().to(flat.dtype)) * self.scales.view(-1, 1, BLOCK)
         return self._unblock(out, x)
+
+    def _int8_blocks(self) -> torch.Tensor:
+        """The grouped int8 matrix as signed ``[blocks, in, 32]``."""
+        blocks, groups, _ = self.weight.shape
+        grouped = self.weight.view(blocks, groups, BLOCK, INT8_GROUP).transpose(2, 3)
+        signed = (grouped.to(torch.int16) - 128).to(torch.int8)
+        return signed.reshape(blocks, groups * INT8_GROUP, BLOCK)[:, : self.in_features]
 
     def _unblock(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The batched matmul's ``[blocks, rows, 32]`` as ``x``'s rows of outputs, plus the bias."""
@@ -138,7 +152,8 @@ class PackedLinear(nn.Module):
         if not self.blocked:
             weight = self.weight
         else:
-            weight = self.weight.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
+            blocks = self.weight if self.scales is None else self._int8_blocks()
+            weight = blocks.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features]
         if self.scales is not None:
             return weight.to(self.scales.dtype) * self.scales[: self.out_features, None]
         return weight if not self.blocked else weight.contiguous()
@@ -151,7 +166,15 @@ class PackedLinear(nn.Module):
 
     def rows_of(self, tokens: torch.Tensor) -> torch.Tensor:
         """Rows of the plain matrix (an embedding lookup in a tied output layer; dequantized when int8)."""
-        rows = self.weight[tokens] if not self.blocked else self.weight[tokens // BLOCK, :, tokens % BLOCK]
+        if not self.blocked:
+            rows = self.weight[tokens]
+        elif self.scales is None:
+            rows = self.weight[tokens // BLOCK, :, tokens % BLOCK]
+        else:
+            column = (tokens % BLOCK).unsqueeze(-1) * INT8_GROUP + torch.arange(INT8_GROUP)
+            grouped = self.weight[(tokens // BLOCK).unsqueeze(-1), :, column]  # [..., 4, groups]
+            in_order = grouped.transpose(-1, -2).flatten(-2)[..., : self.in_features]
+            rows = (in_order.to(torch.int16) - 128).to(torch.int8)
         if self.scales is None:
             return rows
         return rows.to(self.scales.dtype) * self.scales[tokens].unsqueeze(-1)
@@ -194,7 +217,9 @@ def pack_linears(
         if quantize:
             matrix, scale = quantize_int8(weight)
             scales.append(torch.cat([scale, scale.new_zeros(room - size)]))
-        matrices.append(to_blocks(matrix, room, part_arena) if blocked else matrix)
+        if blocked:
+            matrix = (to_groups if quantize else to_blocks)(matrix, room, part_arena)
+        matrices.append(matrix)
         if blocked or quantize:
             release_file_pages(weight)
         del module.weight, weight, matrix
@@ -211,23 +236,24 @@ def pack_linears(
         )
         fused = torch.cat(matrices, out=into)
     del matrices
+    in_features = modules[0].in_features
     bias = None if not has_bias else biases[0] if len(biases) == 1 else torch.cat(biases)
     fused_scales = None if not quantize else scales[0] if len(scales) == 1 else torch.cat(scales)
     if len(modules) == 1:
         offsets = [0, *itertools.accumulate(parts)][:-1] if parts else [0]
         bias = None if bias is None else bias[: sizes[0]]
         part_sizes = list(zip(offsets, parts or sizes, strict=True))
-        whole = PackedLinear(fused, bias, sizes[0], blocked, part_sizes, fused_scales)
+        whole = PackedLinear(fused, bias, in_features, sizes[0], blocked, part_sizes, fused_scales)
         return whole, [whole]
     starts = [0, *itertools.accumulate(stored)][:-1]
     part_sizes = list(zip(starts, sizes, strict=True))
-    whole = PackedLinear(fused, bias, sum(stored), blocked, part_sizes, fused_scales)
+    whole = PackedLinear(fused, bias, in_features, sum(stored), blocked, part_sizes, fused_scales)
     views = []
     for start, size, room in zip(starts, sizes, stored, strict=True):
         rows = slice(start // BLOCK, (start + room) // BLOCK) if blocked else slice(start, start + size)
         part_bias = None if bias is None else bias[start : start + size]
         part_scales = None if fused_scales is None else fused_scales[start : start + room]
-        views.append(PackedLinear(fused[rows], part_bias, size, blocked, scales=part_scales))
+        views.append(PackedLinear(fused[rows], part_bias, in_features, size, blocked, scales=part_scales))
     return whole, views
 
 
@@ -274,9 +300,25 @@ def to_blocks(weight: torch.Tensor, rows: int, arena: PageArena | None = None) -
     return arena.empty(blocks.shape, blocks.dtype).copy_(blocks)
 
 
+def to_groups(quantized: torch.Tensor, rows: int, arena: PageArena | None = None) -> torch.Tensor:
+    """An int8 ``[out, in]`` matrix as the integer product reads it: ``[rows / 32, ceil(in / 4), 128]``,
+    each group of 4 k of a block's 32 columns side by side, as ``q + 128`` (the unsigned operand of
+    VNNI's multiply-add), zero past ``in`` and ``out`` (in ``arena`` if given)."""
+    out_features, in_features = quantized.shape
+    groups = -(-in_features // INT8_GROUP)
+    padded = nn.functional.pad(quantized, (0, groups * INT8_GROUP - in_features, 0, rows - out_features))
+    grouped = padded.view(rows // BLOCK, BLOCK, groups, INT8_GROUP).transpose(1, 2)
+    unsigned = (grouped.to(torch.int16) + 128).to(torch.uint8).flatten(2)
+    if arena is None:
+        return unsigned.contiguous()
+    return arena.empty(unsigned.shape, unsigned.dtype).copy_(unsigned)
+
+
 def packed_bytes(module: nn.Linear | PackedLinear, weights: str) -> int:
     """The most bytes :func:`pack_linears` stores for this module's matrix in format ``weights``."""
-    return _round_up(module.out_features) * module.in_features * (1 if weights == "int8" else 4)
+    if weights == "int8":
+        return _round_up(module.out_features) * -(-module.in_features // INT8_GROUP) * INT8_GROUP
+    return _round_up(module.out_features) * module.in_features * 4
 
 
 _CHOICES: dict[tuple[int, int], dict[int, bool]] = {}
@@ -301,7 +343,7 @@ def _compiled_wins(weights: Sequence[torch.Tensor], rows: int) -> bool:
     converts the whole matrix to float, 2 to 25 times slower at 1 to 64 rows); beyond, where that
     conversion is paid once for many rows, the batched matmul, as for float32.
     """
-    if weights[0].dtype == torch.int8:
+    if weights[0].dtype == torch.uint8:
         return rows <= ROW_BUCKETS[-1] and kernels.available()
     bucket = next((b for b in ROW_BUCKETS if b >= rows), None)
     if bucket is None or not kernels.available():

@@ -1,7 +1,8 @@
 """The fast runner's compiled CPU kernels (``torch.ops.reader_spec``), built as :mod:`reader_spec.compiled`
-says: the matrix products of :mod:`reader_spec.engine.weights`, the output layer's greedy argmax
-(``greedy_head.cpp``), the small operators between the products and attention (``layer_ops.cpp``), and
-whole decoder layers of the Llama shape (``decoder_layer.cpp``).
+says: the matrix products of :mod:`reader_spec.engine.weights` (float32 in ``blocked_linear.cpp``, int8
+in ``integer_product.cpp``), the output layer's greedy argmax (``greedy_head.cpp``), the small
+operators between the products and attention (``layer_ops.cpp``), and whole decoder layers of the
+Llama shape (``decoder_layer.cpp``).
 Where they cannot be built, the runner uses PyTorch's own operators.
 """
 
@@ -14,7 +15,13 @@ from reader_spec import compiled
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("blocked_linear.cpp", "greedy_head.cpp", "layer_ops.cpp", "decoder_layer.cpp")
+    for name in (
+        "blocked_linear.cpp",
+        "integer_product.cpp",
+        "greedy_head.cpp",
+        "layer_ops.cpp",
+        "decoder_layer.cpp",
+    )
 ]
 HEADERS = [Path(__file__).with_name("kernels.h")]
 """What the sources include: part of what identifies a build."""

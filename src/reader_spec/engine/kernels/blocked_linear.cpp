@@ -5,11 +5,7 @@
 // multiplied by every row of x, each row's 32 sums held in registers over the whole of K. Summation
 // runs over k in order for every row whatever the number of rows, so a token's output does not
 // depend on what else is in the pass.
-//
-// Two weight formats share the tiling: float32 (``blocked_linear``) and int8 with a float32 scale per
-// output column (``blocked_linear_int8``, W[n, k] = scale[n] * w[n, k]): each k's 32 int8 weights are
-// converted to float in registers, and the column sums are multiplied by the scales after the K loop.
-// int8 reads a quarter of the bytes, which is what a bandwidth-bound pass costs.
+// (int8 weights are multiplied in integers: integer_product.cpp.)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -18,7 +14,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <unistd.h>
 #include <vector>
 
@@ -42,43 +37,14 @@ constexpr int64_t kBlock = 32;
 template <int R>
 constexpr int64_t kPrefetchBytes = std::max<int64_t>(3072, 1024 * R);
 #ifdef __AVX512F__
-constexpr int kMaxRows = 12;    // 24 accumulators + 2 weight vectors of the 32 zmm registers
-constexpr int kPairedRows = 3;  // two blocks side by side: 12 accumulators + 4 weight vectors
+constexpr int kMaxRows = 12;  // 24 accumulators + 2 weight vectors of the 32 zmm registers
 #else
 // AVX2 (16 ymm registers, each Vec16 two of them): a whole block holds 3 rows of sums (12 registers
 // and the weights, reloaded for every row); from kHalfBlockRows rows on, a tile takes one half of the
 // block at a time (half_block_tile), up to 6 rows of 16 sums, each weight loaded once for all rows.
 constexpr int kMaxRows = 6;
-constexpr int kMaxWholeBlockRows = 3;
-constexpr int kPairedRows = 1;
 constexpr int kHalfBlockRows = 4;
 #endif
-
-// The 32 weights of one k as floats: low holds columns 0..15, high 16..31.
-inline void load_weights(const float* w, Vec16& low, Vec16& high) {
-  low = load(w);
-  high = load(w + 16);
-}
-
-inline void load_weights(const int8_t* w, Vec16& low, Vec16& high) {
-#if defined(__AVX512F__)
-  // Sign-extend 16 bytes to 16 int32 lanes, then convert to float (exact: |w| <= 127).
-  low = (Vec16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-  high = (Vec16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16))));
-#elif defined(__AVX2__)
-  // The same eight bytes at a time (each Vec16 is two ymm registers).
-  for (int i = 0; i < 4; ++i) {
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * i));
-    (i < 2 ? low : high).part[i % 2] = (reader_spec::FloatPart)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-  }
-#else
-  // Portable: element by element (GCC's vector conversions of int8 are no faster here).
-  float floats[kBlock];
-  for (int c = 0; c < kBlock; ++c) floats[c] = w[c];
-  low = load(floats);
-  high = load(floats + 16);
-#endif
-}
 
 // The share of the next block a tile brings into the caches while it multiplies this one from L2: the bytes
 // from `bytes`, (step / 65536) of them per k. Without it, the first tile of each block waits on memory
@@ -89,52 +55,36 @@ struct NextBlock {
   int64_t step = 0;
 };
 
-// R rows of x times B blocks of 32 columns (w: the first block; the others follow at `block_stride`).
-// `columns`: how many of the B * 32 columns exist (only the matrix's last block may be partial);
-// `scales`: nullptr for float32 weights. Each column's sum is the same sequence of operations whatever
-// R and B are: they only decide how many independent sums are in flight.
-template <int R, int B, typename Weight>
-void tile(const float* x, int64_t ldx, const Weight* w, int64_t block_stride, int64_t k_size, const float* scales,
-          const float* bias, float* y, int64_t ldy, int64_t columns, const NextBlock& next = {}) {
-  constexpr int64_t kStep = kBlock * sizeof(Weight);  // bytes of one k of a block
-  constexpr int V = 2 * B;                            // Vec16 per row
-  Vec16 sums[R][V];
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < V; ++v) sums[r][v] = Vec16{};
-  }
+// R rows of x times one block of 32 columns. `columns`: how many of its 32 columns exist (only the
+// matrix's last block may be partial). Each column's sum is the same sequence of operations whatever R
+// is: it only decides how many independent sums are in flight.
+template <int R>
+void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y, int64_t ldy,
+          int64_t columns, const NextBlock& next = {}) {
+  Vec16 sums[R][2];
+  for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = Vec16{};
   for (int64_t k = 0; k < k_size; ++k) {
     if (next.bytes != nullptr) __builtin_prefetch(next.bytes + ((k * next.step) >> 16));
-    Vec16 weights[V];
-    for (int b = 0; b < B; ++b) {
-      const Weight* w_k = w + b * block_stride + k * kBlock;
-      if constexpr (R > 1 || !std::is_same_v<Weight, float>) {  // see kPrefetchBytes
-        const char* bytes = reinterpret_cast<const char*>(w_k);
-        __builtin_prefetch(bytes + kPrefetchBytes<R>);
-        if constexpr (kStep > 64) __builtin_prefetch(bytes + kPrefetchBytes<R> + 64);
-      }
-      load_weights(w_k, weights[2 * b], weights[2 * b + 1]);
+    const float* w_k = w + k * kBlock;
+    if constexpr (R > 1) {  // see kPrefetchBytes
+      const char* bytes = reinterpret_cast<const char*>(w_k);
+      __builtin_prefetch(bytes + kPrefetchBytes<R>);
+      __builtin_prefetch(bytes + kPrefetchBytes<R> + 64);
     }
+    const Vec16 low = load(w_k), high = load(w_k + 16);  // columns 0..15 and 16..31
     for (int r = 0; r < R; ++r) {
       const float value = x[r * ldx + k];
-      for (int v = 0; v < V; ++v) sums[r][v] += value * weights[v];
+      sums[r][0] += value * low;
+      sums[r][1] += value * high;
     }
   }
-  // The tile's per-column scales (int8) and bias, zero past `columns`.
-  float scale[B * kBlock] = {}, shift[B * kBlock] = {};
-  if (scales != nullptr) std::memcpy(scale, scales, columns * sizeof(float));
+  float shift[kBlock] = {};  // the bias, zero past `columns`
   if (bias != nullptr) std::memcpy(shift, bias, columns * sizeof(float));
   for (int r = 0; r < R; ++r) {
-    float out[B * kBlock];
-    for (int v = 0; v < V; ++v) std::memcpy(out + v * 16, &sums[r][v], sizeof(Vec16));
-    if (scales != nullptr) {
-      // int8: the column's scale, once per sum, then the bias, rounded once. std::fma is the same
-      // operation in every tile; `a * b + c` would be contracted into one by the compiler in some
-      // tiles and not others, and a row's outputs would depend on the rows beside it.
-      for (int c = 0; c < B * kBlock; ++c) out[c] = std::fma(out[c], scale[c], shift[c]);
-    } else {
-      // after the sum, as a separate addition (what F.linear's bias does)
-      for (int c = 0; c < B * kBlock; ++c) out[c] += shift[c];
-    }
+    float out[kBlock];
+    std::memcpy(out, &sums[r][0], sizeof(Vec16));
+    std::memcpy(out + 16, &sums[r][1], sizeof(Vec16));
+    for (int c = 0; c < kBlock; ++c) out[c] += shift[c];  // after the sum, as a separate addition (F.linear's bias)
     std::memcpy(y + r * ldy, out, columns * sizeof(float));
   }
 }
@@ -193,41 +143,18 @@ void half_block_tile(const float* x, int64_t ldx, const float* w, int64_t k_size
 }
 #endif
 
-// How many rows a tile of B blocks holds at most: its sums and one k's weights fill the registers.
-template <int B>
-constexpr int kRowsFor = B == 1 ? kMaxRows : kPairedRows;
-
-// `rows` (at most kRowsFor<B>) rows times B blocks, through the tile that holds exactly that many rows.
-template <int B, typename Weight, int R = kRowsFor<B>>
-void rows_tile(int rows, const float* x, int64_t ldx, const Weight* w, int64_t block_stride, int64_t k_size,
-               const float* scales, const float* bias, float* y, int64_t ldy, int64_t columns,
-               const NextBlock& next = {}) {
+// `rows` (at most kMaxRows) rows times one block, through the tile that holds exactly that many rows.
+template <int R = kMaxRows>
+void rows_tile(int rows, const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y,
+               int64_t ldy, int64_t columns, const NextBlock& next = {}) {
   if constexpr (R > 1) {
-    if (rows < R) {
-      return rows_tile<B, Weight, R - 1>(rows, x, ldx, w, block_stride, k_size, scales, bias, y, ldy, columns, next);
-    }
+    if (rows < R) return rows_tile<R - 1>(rows, x, ldx, w, k_size, bias, y, ldy, columns, next);
   }
 #if !defined(__AVX512F__) && defined(__AVX__)
-  if constexpr (std::is_same_v<Weight, float> && B == 1 && R >= kHalfBlockRows) {
-    return half_block_tile<R>(x, ldx, w, k_size, bias, y, ldy, columns, next);
-  } else if constexpr (R > kMaxWholeBlockRows) {
-    // int8 (its weights converted in registers) in whole-block tiles of at most kMaxWholeBlockRows
-    for (int first = 0; first < rows; first += kMaxWholeBlockRows) {
-      rows_tile<B, Weight, kMaxWholeBlockRows>(std::min(kMaxWholeBlockRows, rows - first), x + first * ldx, ldx, w,
-                                               block_stride, k_size, scales, bias, y + first * ldy, ldy, columns, next);
-    }
-    return;
-  }
+  if constexpr (R >= kHalfBlockRows) return half_block_tile<R>(x, ldx, w, k_size, bias, y, ldy, columns, next);
 #endif
-  tile<R, B>(x, ldx, w, block_stride, k_size, scales, bias, y, ldy, columns, next);
+  tile<R>(x, ldx, w, k_size, bias, y, ldy, columns, next);
 }
-
-// Blocks per step of the column loop. A tile of int8 weights with few rows (kPairedRows: three, one
-// on AVX2) takes two blocks side by side: one block leaves too few independent sums in flight to hide
-// the multiply-add's latency behind the int8 conversion (about 15% at one row on matrices that stay in
-// cache). float32 always takes one block (its few-row passes wait on memory), as before int8 existed.
-template <typename Weight>
-constexpr int64_t kGroup = std::is_same_v<Weight, float> ? 1 : 2;
 
 // How `rows` rows are cut into tiles, each at most kMaxRows. AVX-512: equal tiles (16 rows: two of 8,
 // not 12 and 4). AVX2: tiles of 6 (the most the registers hold) and the rest in one. There a tile of 1
@@ -265,9 +192,8 @@ int64_t rows_bytes_in_l2() {
 // every tile of rows. Many rows (a prompt's chunk) are taken a share at a time, as many tiles as L2
 // holds beside a block, each share times every block: otherwise every block reads all of x, from L3
 // once x outgrows L2 (512 rows of 576 features: 1.2 MB per block of 72 KB).
-template <typename Weight>
-void product(const float* x_data, int64_t rows, const Weight* w_data, int64_t k_size, const float* scales,
-             const float* bias_data, float* y_data, int64_t out_features) {
+void product(const float* x_data, int64_t rows, const float* w_data, int64_t k_size, const float* bias_data,
+             float* y_data, int64_t out_features) {
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
   const int64_t block_stride = k_size * kBlock;
   const std::vector<int> sizes = tile_sizes(rows);
@@ -276,55 +202,36 @@ void product(const float* x_data, int64_t rows, const Weight* w_data, int64_t k_
   for (int64_t t = 0; t < tiles; ++t) starts[t + 1] = starts[t] + sizes[t];
   const int64_t row_bytes = k_size * static_cast<int64_t>(sizeof(float));
   const int64_t tiles_per_share = std::max<int64_t>(1, rows_bytes_in_l2() / (row_bytes * kMaxRows));
-  const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(Weight));
+  const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(float));
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t first_tile = 0; first_tile < tiles; first_tile += tiles_per_share) {
       const int64_t last_tile = std::min(tiles, first_tile + tiles_per_share);
       const int64_t share_tiles = last_tile - first_tile;
-      for (int64_t group = begin; group < end; group += kGroup<Weight>) {
-        const int64_t width = std::min(kGroup<Weight>, end - group);  // blocks of this step
+      for (int64_t b = begin; b < end; ++b) {
         for (int64_t t = first_tile; t < last_tile; ++t) {
-          const int64_t r = starts[t];
-          const int n = sizes[t];
-          const bool paired = width == 2 && n <= kPairedRows;
-          for (int64_t b = group; b < group + width; b += paired ? 2 : 1) {
-            // One tile reads its block from memory itself (prefetching a few k ahead); several share
-            // the fetching of this thread's next block.
-            NextBlock next;
-            if (share_tiles > 1 && b + width < end) {
-              const int64_t share = block_bytes / share_tiles;
-              next.bytes = reinterpret_cast<const char*>(w_data + (b + width) * block_stride) + (t - first_tile) * share;
-              next.step = (share << 16) / k_size;
-            }
-            const int64_t column = b * kBlock;
-            const int64_t columns = std::min((paired ? 2 : 1) * kBlock, out_features - column);
-            const Weight* w_block = w_data + b * block_stride;
-            const float* block_scales = scales == nullptr ? nullptr : scales + column;
-            const float* block_bias = bias_data == nullptr ? nullptr : bias_data + column;
-            const float* x_rows = x_data + r * k_size;
-            float* y_rows = y_data + r * out_features + column;
-            if constexpr (kGroup<Weight> == 2) {
-              if (paired) {
-                rows_tile<2>(n, x_rows, k_size, w_block, block_stride, k_size, block_scales, block_bias, y_rows,
-                             out_features, columns, next);
-                continue;
-              }
-            }
-            rows_tile<1>(n, x_rows, k_size, w_block, block_stride, k_size, block_scales, block_bias, y_rows,
-                         out_features, columns, next);
+          // One tile reads its block from memory itself (prefetching a few k ahead); several share the
+          // fetching of this thread's next block.
+          NextBlock next;
+          if (share_tiles > 1 && b + 1 < end) {
+            const int64_t share = block_bytes / share_tiles;
+            next.bytes = reinterpret_cast<const char*>(w_data + (b + 1) * block_stride) + (t - first_tile) * share;
+            next.step = (share << 16) / k_size;
           }
+          const int64_t column = b * kBlock;
+          rows_tile(sizes[t], x_data + starts[t] * k_size, k_size, w_data + b * block_stride, k_size,
+                    bias_data == nullptr ? nullptr : bias_data + column, y_data + starts[t] * out_features + column,
+                    out_features, std::min(kBlock, out_features - column), next);
         }
       }
     }
   });
 }
 
-// Both ops: checks, then the product.
-template <typename Weight>
-at::Tensor run_blocked(const char* name, const at::Tensor& input, const at::Tensor& weight, const float* scales,
-                       const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu(), name, " runs on the CPU");
-  TORCH_CHECK(input.scalar_type() == at::kFloat, name, ": float32 input only");
+at::Tensor blocked_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                          int64_t out_features) {
+  TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu(), "blocked_linear runs on the CPU");
+  TORCH_CHECK(input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "blocked_linear: float32 input and weight only");
   TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kBlock && weight.is_contiguous(), "weight must be [blocks, K, 32]");
   const int64_t k_size = weight.size(1);
   TORCH_CHECK(input.size(-1) == k_size, "input has ", input.size(-1), " features, the weight ", k_size);
@@ -341,29 +248,8 @@ at::Tensor run_blocked(const char* name, const at::Tensor& input, const at::Tens
     TORCH_CHECK(bias_contiguous.numel() == out_features, "bias has the wrong size");
     bias_data = bias_contiguous.data_ptr<float>();
   }
-  const float* x_data = x.data_ptr<float>();
-  const Weight* w_data = weight.data_ptr<Weight>();
-  float* y_data = y.data_ptr<float>();
-  product<Weight>(x_data, rows, w_data, k_size, scales, bias_data, y_data, out_features);
+  product(x.data_ptr<float>(), rows, weight.data_ptr<float>(), k_size, bias_data, y.data_ptr<float>(), out_features);
   return y.view(out_shape);
-}
-
-at::Tensor blocked_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                          int64_t out_features) {
-  TORCH_CHECK(weight.scalar_type() == at::kFloat, "blocked_linear: float32 weight only");
-  return run_blocked<float>("blocked_linear", input, weight, nullptr, bias, out_features);
-}
-
-// scales: one float32 per output column, at least out_features of them (padding columns may follow).
-at::Tensor blocked_linear_int8(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales,
-                               const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  TORCH_CHECK(weight.scalar_type() == at::kChar, "blocked_linear_int8: int8 weight only");
-  TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kFloat && scales.dim() == 1,
-              "blocked_linear_int8: scales must be a float32 vector on the CPU");
-  TORCH_CHECK(scales.numel() >= out_features, "blocked_linear_int8: fewer scales than out_features");
-  const at::Tensor scales_contiguous = scales.contiguous();
-  return run_blocked<int8_t>("blocked_linear_int8", input, weight, scales_contiguous.data_ptr<float>(), bias,
-                             out_features);
 }
 
 }  // namespace
@@ -372,22 +258,13 @@ namespace reader_spec {
 
 void blocked_product(const float* x, int64_t rows, const float* weight, int64_t k_size, const float* bias, float* y,
                      int64_t out_features) {
-  product<float>(x, rows, weight, k_size, nullptr, bias, y, out_features);
-}
-
-void blocked_product(const float* x, int64_t rows, const int8_t* weight, int64_t k_size, const float* scales,
-                     const float* bias, float* y, int64_t out_features) {
-  product<int8_t>(x, rows, weight, k_size, scales, bias, y, out_features);
+  product(x, rows, weight, k_size, bias, y, out_features);
 }
 
 }  // namespace reader_spec
 
 TORCH_LIBRARY(reader_spec, m) {
   m.def("blocked_linear(Tensor input, Tensor weight, Tensor? bias, int out_features) -> Tensor");
-  m.def("blocked_linear_int8(Tensor input, Tensor weight, Tensor scales, Tensor? bias, int out_features) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(reader_spec, CPU, m) {
-  m.impl("blocked_linear", &blocked_linear);
-  m.impl("blocked_linear_int8", &blocked_linear_int8);
-}
+TORCH_LIBRARY_IMPL(reader_spec, CPU, m) { m.impl("blocked_linear", &blocked_linear); }

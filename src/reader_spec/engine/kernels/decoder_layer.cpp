@@ -20,24 +20,29 @@ namespace {
 
 using reader_spec::CacheView;
 
-// One packed matrix: [blocks, in, 32] float32, or int8 with one float32 scale per column.
+// One packed matrix: [blocks, in, 32] float32, or int8 in the integer product's layout ([blocks,
+// ceil(in / 4), 128] unsigned bytes) with one float32 scale per column.
 struct Linear : torch::CustomClassHolder {
   at::Tensor weight, scales, bias;
-  int64_t out_features;
+  int64_t in_features, out_features;
 
-  Linear(at::Tensor weight, c10::optional<at::Tensor> scales, c10::optional<at::Tensor> bias, int64_t out_features)
-      : weight(std::move(weight)), out_features(out_features) {
-    TORCH_CHECK(this->weight.device().is_cpu() && this->weight.dim() == 3 && this->weight.size(2) == 32 &&
-                    this->weight.is_contiguous(),
-                "Linear: the weight must be a contiguous CPU [blocks, in, 32]");
-    const bool int8 = this->weight.scalar_type() == at::kChar;
+  Linear(at::Tensor weight, c10::optional<at::Tensor> scales, c10::optional<at::Tensor> bias, int64_t in_features,
+         int64_t out_features)
+      : weight(std::move(weight)), in_features(in_features), out_features(out_features) {
+    const bool int8 = this->weight.scalar_type() == at::kByte;
+    const int64_t depth = int8 ? (in_features + reader_spec::kIntegerGroup - 1) / reader_spec::kIntegerGroup
+                               : in_features;
+    const int64_t width = int8 ? 32 * reader_spec::kIntegerGroup : 32;
+    TORCH_CHECK(this->weight.device().is_cpu() && this->weight.dim() == 3 && this->weight.size(1) == depth &&
+                    this->weight.size(2) == width && this->weight.is_contiguous(),
+                "Linear: the weight must be a contiguous CPU [blocks, in, 32] (int8: [blocks, ceil(in / 4), 128])");
     TORCH_CHECK(int8 || this->weight.scalar_type() == at::kFloat, "Linear: float32 or int8 weights");
     TORCH_CHECK(int8 == (scales.has_value() && scales->defined()), "Linear: int8 weights need scales, float32 none");
     TORCH_CHECK(out_features <= this->weight.size(0) * 32, "Linear: out_features exceeds the blocks");
     if (int8) {
       this->scales = scales->contiguous();
-      TORCH_CHECK(this->scales.scalar_type() == at::kFloat && this->scales.numel() >= out_features,
-                  "Linear: one float32 scale per column");
+      TORCH_CHECK(this->scales.scalar_type() == at::kFloat && this->scales.numel() >= this->weight.size(0) * 32,
+                  "Linear: one float32 scale per stored column");
     }
     if (bias.has_value() && bias->defined()) {
       this->bias = bias->contiguous();
@@ -46,20 +51,18 @@ struct Linear : torch::CustomClassHolder {
     }
   }
 
-  int64_t in_features() const { return weight.size(1); }
-
   // y = x W^T + b for `rows` rows: the compiled kernel, or where it loses at this many rows (float32
   // only), PyTorch's batched matmul over the blocks, as PackedLinear runs it.
   void operator()(const float* x, int64_t rows, float* y, bool compiled) const {
     const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
     if (scales.defined()) {
       TORCH_CHECK(compiled, "Linear: int8 weights run through the compiled kernel only");
-      reader_spec::blocked_product(x, rows, weight.data_ptr<int8_t>(), in_features(), scales.data_ptr<float>(), b, y,
-                                   out_features);
+      reader_spec::integer_product(x, rows, weight.data_ptr<uint8_t>(), in_features, scales.data_ptr<float>(), b, y,
+                                   out_features, out_features, false);
     } else if (compiled) {
-      reader_spec::blocked_product(x, rows, weight.data_ptr<float>(), in_features(), b, y, out_features);
+      reader_spec::blocked_product(x, rows, weight.data_ptr<float>(), in_features, b, y, out_features);
     } else {
-      const at::Tensor input = at::from_blob(const_cast<float*>(x), {rows, in_features()}, weight.options());
+      const at::Tensor input = at::from_blob(const_cast<float*>(x), {rows, in_features}, weight.options());
       at::Tensor out = at::matmul(input, weight).transpose(0, 1).reshape({rows, -1}).narrow(1, 0, out_features);
       if (bias.defined()) out = out + bias;
       at::from_blob(y, {rows, out_features}, weight.options()).copy_(out);
@@ -106,8 +109,8 @@ struct DecoderLayer : torch::CustomClassHolder {
       this->key_norm = checked_norm(*key_norm, head_dim, "key_norm");
     }
     TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "heads must be a multiple of kv_heads, head_dim even");
-    TORCH_CHECK(this->qkv->in_features() == hidden && this->gate_up->in_features() == hidden &&
-                    this->output->in_features() == heads * head_dim && this->down->in_features() == intermediate &&
+    TORCH_CHECK(this->qkv->in_features == hidden && this->gate_up->in_features == hidden &&
+                    this->output->in_features == heads * head_dim && this->down->in_features == intermediate &&
                     this->down->out_features == hidden,
                 "the layer's matrices disagree on their sizes");
     TORCH_CHECK(value_start >= (heads + kv_heads) * head_dim &&
@@ -203,7 +206,7 @@ struct DecoderLayer : torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(reader_spec, m) {
   m.class_<Linear>("Linear").def(
-      torch::init<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t>());
+      torch::init<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, int64_t, int64_t>());
   m.class_<DecoderLayer>("DecoderLayer")
       .def(torch::init<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, at::Tensor, double,
                        c10::intrusive_ptr<Linear>, c10::intrusive_ptr<Linear>, c10::intrusive_ptr<Linear>,

@@ -1,11 +1,12 @@
-// What the compiled files share: each routine is defined once (blocked_linear.cpp, layer_ops.cpp), so
-// the ops and the decoder layer that call it run the same machine code, and a token's arithmetic is
-// the same whichever of them computes it.
+// What the compiled files share: each routine is defined once (blocked_linear.cpp, integer_product.cpp,
+// layer_ops.cpp), so the ops and the decoder layer that call it run the same machine code, and a
+// token's arithmetic is the same whichever of them computes it.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace reader_spec {
 
@@ -156,11 +157,37 @@ inline Int16 nonzero(const int8_t* p) {
 }
 
 // y = x @ W.T (+ bias) for `rows` rows of x side by side (`k_size` floats each), W in column blocks
-// ([blocks, k_size, 32]); int8 weights are multiplied by one scale per column.
+// ([blocks, k_size, 32]).
 void blocked_product(const float* x, int64_t rows, const float* weight, int64_t k_size, const float* bias, float* y,
                      int64_t out_features);
-void blocked_product(const float* x, int64_t rows, const int8_t* weight, int64_t k_size, const float* scales,
-                     const float* bias, float* y, int64_t out_features);
+
+// Integer products (integer_product.cpp): int8 weights with a float32 scale per column, W[n] ~
+// scale[n] q[n], stored per block of 32 columns in groups of 4 k as unsigned bytes q + 128
+// ([blocks, ceil(k_size / 4), 128], zero past k_size); each row of x in integers too: with AVX-512
+// VNNI two int8 levels (x ~ a q1 + b q2, the second quantizing what the first left), elsewhere one
+// int16 level of as many steps as int32 sums allow.
+#ifdef __AVX512VNNI__
+constexpr int kIntegerLevels = 2;
+#else
+constexpr int kIntegerLevels = 1;
+#endif
+constexpr int64_t kIntegerGroup = 4;
+
+// A row of x in integers: each level's scale and sum of its integers, and (where asked for) what
+// bounds the approximation: norm = max(|x|, |integers scaled|), error = |x - integers scaled| + 5%.
+struct IntegerRow {
+  float scale[kIntegerLevels];
+  int32_t sum[kIntegerLevels];
+  float norm = 0, error = 0;
+  bool finite = true;  // false: x has inf or NaN (its outputs are not computed)
+};
+
+// y[r][c] = scale[c] * sum over levels of (level scale * integer dot product) (+ bias[c]) for the
+// first `columns` columns, `ldy` floats per row of y. Integer sums are exact in any order, so a row's
+// outputs do not depend on the rows beside it. `bounds`: also compute each row's norm and error.
+std::vector<IntegerRow> integer_product(const float* x, int64_t rows, const uint8_t* weight, int64_t k_size,
+                                        const float* scales, const float* bias, float* y, int64_t ldy,
+                                        int64_t columns, bool bounds);
 
 // Row by row: hidden += delta (where delta is not null), normed = weight * hidden / rms(hidden).
 void add_rms_norm_rows(float* hidden, const float* delta, const float* weight, float epsilon, int64_t rows,
