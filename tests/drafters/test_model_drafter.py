@@ -146,6 +146,30 @@ def test_tree_grows_best_first_and_levels_see_their_ancestors(tiny, same_draft, 
     assert path == greedy[: len(path)] and len(path) >= 3
 
 
+def test_calibration_learns_the_likeliest_child_apart_from_its_siblings(tiny, same_draft, prompts):
+    """Greedy verification accepts a node's likeliest child whenever the two models' argmaxes agree,
+    whatever its probability, and its siblings almost never: each is calibrated on its own."""
+    from reader_spec.drafters.model.drafter import LIKELIEST, OTHER
+
+    drafter = ModelDrafter(same_draft, branching=2, expand=1, max_depth=1)
+    prior = ModelDrafter(same_draft).calibrate
+    drafter.begin("r", prompts[0])
+    tested = []
+    for _ in range(40):
+        proposal = drafter.propose("r", 2)
+        assert len(proposal) == 2 and proposal.parents == (-1, -1)
+        tested += drafter._requests["r"].pending[1]  # (raw probability, context) of each node
+        drafter.observe("r", proposal, [0])  # the likeliest child accepted, as the same weights do
+        drafter.extend("r", [proposal.tokens[0]])
+    assert {context for _, context in tested} == {LIKELIEST, OTHER}
+    for q, context in tested:
+        if context == LIKELIEST:
+            assert drafter.calibrate(q, context) > prior(q, context)
+            assert drafter.calibrate(q, OTHER) <= prior(q, OTHER)  # a sibling's estimate did not rise
+        else:
+            assert drafter.calibrate(q, context) < prior(q, context)
+
+
 def test_merge_keeps_the_best_estimate_of_each_path_and_parents_first():
     model = Proposal((5, 6, 7), (-1, 0, -1), (0.9, 0.5, 0.2), ("model",) * 3)
     retrieval = chain_proposal([5, 6, 8], [0.8, 0.7, 0.6], "context")

@@ -11,9 +11,13 @@ catch-up writes the accepted tokens as text).
 
 Path probabilities are products of the draft model's next-token probabilities, each mapped through
 an online calibration against real acceptances (a draft model's confidence is not the target's
-agreement). Growing a level costs a draft pass: with the verification costs the engine gives, a
-level runs only when its expected accepted tokens per second beat the step's without it, and a
-fused drafter can skip the draft model for a step where retrieval alone already pays best.
+agreement), learned apart for a node's likeliest child and its other children: under greedy
+verification the likeliest child is accepted whenever the two models' argmaxes agree, whatever its
+probability, and the others almost never (measured on the self-draft: the likeliest child 88-100% in
+every probability bucket, the second 0-10%, docs/model-drafter.md). Growing a level costs a draft
+pass: with the verification costs the engine gives, a level runs only when its expected accepted
+tokens per second beat the step's without it, and a fused drafter can skip the draft model for a
+step where retrieval alone already pays best.
 """
 
 from __future__ import annotations
@@ -85,6 +89,14 @@ class PassTimer:
         return self.seconds[lo] + max(0.0, slope) * (tokens - lo)
 
 
+LIKELIEST, OTHER = 0, 1
+"""Calibration contexts: a node that is its parent's likeliest child, and any other."""
+
+
+def _rank_context(rank: int) -> int:
+    return LIKELIEST if rank == 0 else OTHER
+
+
 @dataclass
 class _Tree:
     """One sequence's tree while it grows: node 0 is the root (the request's last token)."""
@@ -94,23 +106,28 @@ class _Tree:
     depths: list[int] = field(default_factory=lambda: [0])
     probs: list[float] = field(default_factory=lambda: [1.0])
     """Calibrated path probabilities."""
-    raw: list[float] = field(default_factory=lambda: [1.0])
-    """The draft model's own probability of each node given its parent (what calibration buckets)."""
+    raw: list[tuple[float, int]] = field(default_factory=lambda: [(1.0, LIKELIEST)])
+    """The draft model's own probability of each node given its parent and whether it is the parent's
+    likeliest child (what calibration buckets: :func:`_rank_context`)."""
     frontier: list[int] = field(default_factory=list)
     cached: list[int] = field(default_factory=list)
     """Nodes whose keys and values sit in the cache after the text, in the order written."""
 
-    def add_children(self, parent: int, probs: torch.Tensor, tokens: torch.Tensor, calibrate) -> None:
-        for q, token in zip(probs.tolist(), tokens.tolist(), strict=True):
+    def add_children(
+        self, parent: int, probs: torch.Tensor, tokens: torch.Tensor, calibrate: ProbabilityCalibrator
+    ) -> None:
+        """``probs`` and ``tokens`` in decreasing probability (``topk``'s order)."""
+        for rank, (q, token) in enumerate(zip(probs.tolist(), tokens.tolist(), strict=True)):
+            context = _rank_context(rank)
             self.tokens.append(token)
             self.parents.append(parent)
             self.depths.append(self.depths[parent] + 1)
-            self.raw.append(q)
-            self.probs.append(self.probs[parent] * calibrate(q))
+            self.raw.append((q, context))
+            self.probs.append(self.probs[parent] * calibrate(q, context))
             self.frontier.append(len(self.tokens) - 1)
 
-    def proposal(self, max_nodes: int) -> tuple[Proposal, tuple[float, ...]]:
-        """The ``max_nodes`` likeliest nodes, parents first, and their raw probabilities."""
+    def proposal(self, max_nodes: int) -> tuple[Proposal, tuple[tuple[float, int], ...]]:
+        """The ``max_nodes`` likeliest nodes, parents first, and their raw probabilities and contexts."""
         ranked = sorted(range(1, len(self.tokens)), key=lambda n: (-self.probs[n], self.depths[n], n))
         kept = ranked[:max_nodes]
         index = {node: i for i, node in enumerate(kept)}
@@ -131,7 +148,7 @@ class _Request:
     """Tokens of ``text`` read by the draft model (``text[start:cached]`` is in its cache)."""
     start: int = 0
     """Where the draft model's view of the text begins (``prompt_window`` cuts long prompts)."""
-    pending: tuple[Proposal, tuple[float, ...]] | None = None
+    pending: tuple[Proposal, tuple[tuple[float, int], ...]] | None = None
 
 
 class ModelDrafter:
@@ -165,7 +182,7 @@ class ModelDrafter:
         self.max_depth = max_depth
         self.prompt_window = prompt_window
         self.runner_kind = runner
-        self.calibrate = ProbabilityCalibrator()
+        self.calibrate = ProbabilityCalibrator(contexts=2)
         self.pass_seconds = PassTimer()
         self._skipped = 0
         """Steps since the draft model last ran: every ``EXPLORE_EVERY``-th runs it regardless, so that
@@ -223,7 +240,8 @@ class ModelDrafter:
         raw = pending[1]
         for node, hit in node_trials(proposal, accepted):
             if proposal.sources[node] == MODEL_SOURCE:
-                self.calibrate.update(raw[node], hit)
+                q, context = raw[node]
+                self.calibrate.update(q, hit, context)
 
     # --- drafting ----------------------------------------------------------------------------------
     def propose(self, request: Hashable, max_nodes: int) -> Proposal:
