@@ -170,6 +170,23 @@ def test_calibration_learns_the_likeliest_child_apart_from_its_siblings(tiny, sa
             assert drafter.calibrate(q, context) < prior(q, context)
 
 
+def test_a_level_expands_only_the_nodes_whose_pass_pays():
+    """A level's pass costs more with more nodes: it expands the count that raises the step's rate
+    most, none where even the best node does not pay, all where nothing is priced."""
+    from reader_spec.drafters.model.drafter import _Pricing
+
+    pricing = _Pricing([1.0, 1.05, 1.1, 1.15], batch=1, alongside=None)
+
+    def pass_seconds(count: int) -> float:
+        return 0.1 + 0.3 * (count - 1)
+
+    assert pricing.best_count([0.9, 0.001, 0.001], pass_seconds) == 1  # the tail is not worth 0.3 s
+    assert pricing.best_count([0.9, 0.8, 0.7], lambda count: 0.1 + 0.01 * count) == 3
+    assert pricing.best_count([0.9, 0.8], lambda count: 5.0) == 0  # a pass dearer than its gain
+    assert pricing.best_count([0.9, 0.8], lambda count: None) == 2  # not timed yet: grow and learn
+    assert _Pricing(None, batch=1, alongside=None).best_count([0.5, 0.1], pass_seconds) == 2
+
+
 def test_merge_keeps_the_best_estimate_of_each_path_and_parents_first():
     model = Proposal((5, 6, 7), (-1, 0, -1), (0.9, 0.5, 0.2), ("model",) * 3)
     retrieval = chain_proposal([5, 6, 8], [0.8, 0.7, 0.6], "context")

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -188,6 +188,8 @@ class ModelDrafter:
         """Steps since the draft model last ran: every ``EXPLORE_EVERY``-th runs it regardless, so that
         estimates learned in other conditions (a warm-up, another kind of text) are refreshed."""
         self._prefill_per_token: float | None = None
+        self._expanded: float | None = None
+        """Nodes a level after the first expands per sequence, as recently grown (None: none grown)."""
         self._typical: tuple[list[float], float] | None = None
         """What running the draft model recently gave: a sequence's proposal probabilities (running
         mean by rank) and the levels grown; the first pass is priced as the whole tree it leads to."""
@@ -276,18 +278,22 @@ class ModelDrafter:
         order = sorted(range(len(requests)), key=lambda i: self._requests[requests[i]].row)
         states = [self._requests[requests[i]] for i in order]
         trees = self._first_level(states, [requests[i] for i in order], pricing)
-        levels = 1
+        levels, expanded = 1, 0
         for _ in range(1, min(self.max_depth, max_nodes)):
-            chosen = [self._frontier(tree) for tree in trees]
-            if not any(chosen):
+            candidates = [(tree.probs[n], b, n) for b, tree in enumerate(trees) for n in self._frontier(tree)]
+            if not candidates:
                 break
             pricing.add_nodes([tree.probs[n] for tree in trees for n in tree.frontier])
             ratio = self._child_ratio(trees)
-            gains = [trees[b].probs[n] * ratio for b, nodes in enumerate(chosen) for n in nodes]
-            if not pricing.worth(gains, self.pass_seconds(sum(map(len, chosen)))):
+            candidates.sort(key=lambda c: -c[0])
+            count = pricing.best_count([p * ratio for p, _, _ in candidates], self.pass_seconds)
+            if count == 0:
                 break
+            chosen: list[list[int]] = [[] for _ in trees]
+            for _, b, node in candidates[:count]:
+                chosen[b].append(node)
             self._grow(states, trees, chosen, pricing)
-            levels += 1
+            levels, expanded = levels + 1, expanded + count
         for state in states:
             self._runner.cache.lengths[state.row] = state.cached - state.start  # drop the levels' entries
         proposals: list[Proposal] = [EMPTY_PROPOSAL] * len(requests)
@@ -295,15 +301,19 @@ class ModelDrafter:
             proposal, raw = tree.proposal(max_nodes)
             state.pending = (proposal, raw)
             proposals[i] = proposal
-        self._remember(proposals, levels)
+        self._remember(proposals, levels, expanded / (levels - 1) / len(requests) if levels > 1 else None)
         return proposals
 
-    def _remember(self, proposals: list[Proposal], levels: int) -> None:
+    def _remember(self, proposals: list[Proposal], levels: int, expanded: float | None) -> None:
+        """Keep what this run gave for pricing the next (``expanded``: nodes a later level expanded
+        per sequence, None where there was none)."""
         ranks = max(map(len, proposals))
         probs = [sum(p.probs[r] for p in proposals if r < len(p)) / len(proposals) for r in range(ranks)]
         if self._typical is not None:
             old = self._typical[0] + [0.0] * (ranks - len(self._typical[0]))
             probs = [(a + b) / 2 for a, b in zip(old, probs + [0.0] * (len(old) - ranks), strict=True)]
+        if expanded is not None:
+            self._expanded = expanded if self._expanded is None else (self._expanded + expanded) / 2
         self._typical = (probs, levels)
 
     def may_pay(
@@ -334,7 +344,7 @@ class ModelDrafter:
         # The first pass is priced at one token per sequence: tokens left to catch up on are paid for
         # whenever the draft model runs next, so they must not argue for skipping it again.
         first = self.pass_seconds(len(requests))
-        later = self.pass_seconds(self.expand * len(requests))
+        later = self.pass_seconds(max(1, round((self._expanded or self.expand) * len(requests))))
         unread = sum(
             min(len(s.text), self.prompt_window)
             for s in map(self._requests.__getitem__, requests)
@@ -492,13 +502,20 @@ class _Pricing:
         with_them = self._best_rate(sorted(nodes, reverse=True), self.spent + seconds)
         return with_them > self._best_rate(self.probs, self.spent)
 
-    def worth(self, gains: Sequence[float], seconds: float | None) -> bool:
-        """Whether drafting for ``seconds`` more, expected to add nodes accepted with probabilities
-        ``gains``, raises the step's best rate (None: not timed yet, so run it and learn)."""
+    def best_count(self, gains: Sequence[float], pass_seconds: Callable[[int], float | None]) -> int:
+        """How many of the candidate nodes, best first (``gains``: the probabilities their children are
+        expected to add), one more pass should expand: the count whose pass raises the step's best
+        rate most, 0 where none raises it (all while the verification or the pass is not priced)."""
         if self.verify_seconds is None:
-            return any(g > 0 for g in gains)
-        if seconds is None:
-            return True
+            return len(gains) if any(g > 0 for g in gains) else 0
         without = self._best_rate(self.probs, self.spent)
-        hoped = sorted([*self.probs, *gains], reverse=True)
-        return self._best_rate(hoped, self.spent + seconds) > without
+        best, best_rate = 0, without
+        for count in range(1, len(gains) + 1):
+            seconds = pass_seconds(count)
+            if seconds is None:
+                return len(gains)
+            hoped = sorted([*self.probs, *gains[:count]], reverse=True)
+            rate = self._best_rate(hoped, self.spent + seconds)
+            if rate > best_rate:
+                best, best_rate = count, rate
+        return best
