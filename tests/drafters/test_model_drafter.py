@@ -7,6 +7,7 @@ import itertools
 from dataclasses import replace
 
 import pytest
+import torch
 
 from reader_spec.budget.costs import CostModel
 from reader_spec.config import GenerationConfig
@@ -50,12 +51,17 @@ def other_draft(tiny) -> LoadedModel:
 
 @pytest.mark.parametrize("batch_size", [1, 8])
 @pytest.mark.parametrize("which", ["same", "other"])
+@pytest.mark.parametrize("cache", ["shared", "own"])
 def test_model_drafts_are_exact_with_any_draft_model(
-    tiny, prompts, plain, same_draft, other_draft, which, batch_size
+    tiny, prompts, plain, same_draft, other_draft, which, batch_size, cache
 ):
+    """Both draft models have the target's configuration: by default they read and write the
+    target's KV cache (:meth:`ModelDrafter.share_cache`), or keep a cache of their own."""
     draft = same_draft if which == "same" else other_draft
-    engine = Engine(tiny, ModelDrafter(draft, max_depth=5), budget=8, costs=FLAT_COSTS)
+    drafter = ModelDrafter(draft, max_depth=5, share_target_cache=cache == "shared")
+    engine = Engine(tiny, drafter, budget=8, costs=FLAT_COSTS)
     outputs = engine.generate(prompts, NO_EOS, batch_size=batch_size)
+    assert (drafter._runner.cache is engine._runner.cache) == (cache == "shared")
     assert [o.tokens for o in outputs] == [o.tokens for o in plain]
     accepted = sum(o.stats.accepted for o in outputs)
     if which == "same":  # the copy's likeliest children are the target's choices (a flat random model:
@@ -187,6 +193,29 @@ def test_a_level_expands_only_the_nodes_whose_pass_pays():
     assert _Pricing(None, batch=1, alongside=None).best_count([0.5, 0.1], pass_seconds) == 2
 
 
+def test_a_shared_cache_is_left_as_the_target_committed_it(tiny, same_draft, prompts):
+    """Drafting on the target's cache writes the root and the levels past the committed length and
+    leaves the length as it was: the target's verification writes the same root there next."""
+    from reader_spec.engine.runner import ModelRunner
+
+    target = ModelRunner(tiny.model, num_rows=2, capacity=64)
+    target.prefill(1, prompts[0][:-1])
+    committed = target.cache.layers[0].keys[1, :, : len(prompts[0]) - 1].clone()
+    drafter = ModelDrafter(same_draft, branching=2, expand=2, max_depth=3)
+    assert drafter.share_cache(target, lambda request: 1)
+    drafter.begin("r", prompts[0])
+    proposal = drafter.propose("r", 12)
+    assert len(proposal) > 3 and drafter._requests["r"].row == 1
+    assert target.cache.lengths.tolist() == [0, len(prompts[0]) - 1]
+    assert torch.equal(target.cache.layers[0].keys[1, :, : len(prompts[0]) - 1], committed)
+    # another configuration keeps a cache of its own
+    deeper = make_tiny_llama(seed=3)
+    deeper.model.layers.append(copy.deepcopy(deeper.model.layers[-1]))
+    deeper.config.num_hidden_layers = 3
+    other = replace(tiny, model=deeper, name="three-layers")
+    assert not ModelDrafter(other).share_cache(target, lambda request: 1)
+
+
 def test_merge_keeps_the_best_estimate_of_each_path_and_parents_first():
     model = Proposal((5, 6, 7), (-1, 0, -1), (0.9, 0.5, 0.2), ("model",) * 3)
     retrieval = chain_proposal([5, 6, 8], [0.8, 0.7, 0.6], "context")
@@ -288,8 +317,10 @@ def test_step_chooser_tries_a_losing_arm_ever_more_rarely_until_it_wins():
 def test_a_prompt_window_shorter_than_the_prompts_stays_exact_and_drafts(
     tiny, prompts, plain, same_draft, batch_size
 ):
-    """The draft model reads the last 5 prompt tokens only: its drafts change, the output does not."""
-    engine = Engine(tiny, ModelDrafter(same_draft, max_depth=4, prompt_window=5), budget=8, costs=FLAT_COSTS)
+    """With a cache of its own, the draft model reads the last 5 prompt tokens only: its drafts
+    change, the output does not."""
+    drafter = ModelDrafter(same_draft, max_depth=4, prompt_window=5, share_target_cache=False)
+    engine = Engine(tiny, drafter, budget=8, costs=FLAT_COSTS)
     outputs = engine.generate(prompts, NO_EOS, batch_size=batch_size)
     assert [o.tokens for o in outputs] == [o.tokens for o in plain]
     assert sum(o.stats.accepted for o in outputs) > 40

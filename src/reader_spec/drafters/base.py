@@ -14,7 +14,9 @@ class Drafter(Protocol):
 
     A request's text is its prompt plus every token emitted so far; the last token of that text is
     the root of the next draft tree. The engine calls ``begin`` once, then alternates ``propose``,
-    ``observe`` and ``extend``, and calls ``end`` when the request finishes.
+    ``observe`` and ``extend``, and calls ``end`` when the request finishes. A drafter that runs a
+    model may also define ``share_cache(runner, row_of)``: the engine offers it the target's runner
+    (whose KV cache holds every request's text up to its root) and each request's row there.
     """
 
     def begin(self, request: Hashable, prompt: Sequence[int]) -> None:

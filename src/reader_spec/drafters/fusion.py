@@ -18,11 +18,12 @@ probability, parents first, and the engine's budget cuts the list.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from reader_spec.drafters.model.drafter import ModelDrafter
 from reader_spec.drafters.reader import ReaderDrafter
+from reader_spec.engine.runner import ModelRunner
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
 
 FUSIONS = ("reader", "rasd")
@@ -215,6 +216,9 @@ class FusedDrafter:
 
     def check_target(self, target) -> None:
         self.model.check_target(target)
+
+    def share_cache(self, runner: ModelRunner, row_of: Callable[[Hashable], int]) -> bool:
+        return self.model.share_cache(runner, row_of)
 
     def begin(self, request: Hashable, prompt: Sequence[int]) -> None:
         self.retrieval.begin(request, prompt)

@@ -385,7 +385,14 @@ class Engine:
         if runner is None or (runner.cache.num_rows < rows and not self.scheduler.running):
             capacity = runner.cache.capacity if runner is not None else 64
             runner = self._runner = ModelRunner(self.model, rows, capacity, self.runner_kind)
+            share_cache = getattr(self.drafter, "share_cache", None)
+            if share_cache is not None:  # a draft model with the target's shapes reads its cache
+                share_cache(runner, self._row_of)
         return runner
+
+    def _row_of(self, key: int) -> int:
+        """The cache row of a running request (a drafter sharing the cache asks once per request)."""
+        return next(seq.row for seq in self.scheduler.running if seq.key == key)
 
 
 def _per_request(

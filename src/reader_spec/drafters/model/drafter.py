@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from reader_spec.drafters.calibration import ProbabilityCalibrator, node_trials
-from reader_spec.engine.runner import ModelRunner, synchronizer
+from reader_spec.engine.runner import ModelRunner, synchronizer, text_config
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
 from reader_spec.loading import LoadedModel
 
@@ -155,10 +155,12 @@ class ModelDrafter:
     """Drafts with a causal LM sharing the target's tokenizer; implements ``Drafter`` and drafts a
     batch in one call (``propose_batch``).
 
-    Per level, the ``expand`` frontier nodes of highest path probability of each sequence get their
-    ``branching`` likeliest children, for up to ``max_depth`` levels; it reads the last ``prompt_window``
-    tokens of each prompt and everything after. With verification costs
-    (``propose_batch``'s ``verify_seconds``), levels stop when the next would not pay for its pass.
+    Per level, up to ``expand`` frontier nodes of highest path probability of each sequence get their
+    ``branching`` likeliest children, for up to ``max_depth`` levels; with a cache of its own it reads
+    the last ``prompt_window`` tokens of each prompt and everything after, sharing the target's
+    (:meth:`share_cache`) it reads everything the target has. With verification costs
+    (``propose_batch``'s ``verify_seconds``), a level expands the nodes whose pass pays most and
+    levels stop when none would.
     """
 
     prices_own_drafting = True
@@ -173,6 +175,7 @@ class ModelDrafter:
         max_depth: int = 8,
         prompt_window: int = PROMPT_WINDOW,
         runner: str = "auto",
+        share_target_cache: bool = True,
     ) -> None:
         if min(branching, expand, max_depth, prompt_window) < 1:
             raise ValueError("branching, expand, max_depth and prompt_window must be at least 1")
@@ -182,6 +185,7 @@ class ModelDrafter:
         self.max_depth = max_depth
         self.prompt_window = prompt_window
         self.runner_kind = runner
+        self.share_target_cache = share_target_cache
         self.calibrate = ProbabilityCalibrator(contexts=2)
         self.pass_seconds = PassTimer()
         self._skipped = 0
@@ -197,6 +201,8 @@ class ModelDrafter:
         """The draft model's next-token probabilities at each request's root, from its last step
         (RASD prunes retrieval branches with them)."""
         self._runner: ModelRunner | None = None
+        self._row_of: Callable[[Hashable], int] | None = None
+        """Where it shares the target's cache (:meth:`share_cache`): a request's row there."""
         self._free_rows: list[int] = []
         self._requests: dict[Hashable, _Request] = {}
         self._synchronize = synchronizer(draft.model.device)
@@ -214,7 +220,35 @@ class ModelDrafter:
             )
 
     # --- requests ----------------------------------------------------------------------------------
+    def share_cache(self, runner: ModelRunner, row_of: Callable[[Hashable], int]) -> bool:
+        """Read and write the target's KV cache (``runner``'s; ``row_of`` gives a request's row in it)
+        instead of a cache of its own, where the draft model has the target's configuration (the
+        self-draft: the same layers and shapes, other weights). The target's cache holds each
+        request's text up to its root, so the draft model prefills nothing and catches up on nothing:
+        a step writes its root and its levels past the committed length, where the target's
+        verification writes next. A draft model with exactly the target's configuration is taken for a
+        copy of it (``share_target_cache=False`` keeps a cache of its own anyway). Returns whether it
+        shares (asked again for every new runner)."""
+        own = self._ensure_runner()
+        shares = (
+            self.share_target_cache
+            and own.decoder is not None
+            and runner.decoder is not None
+            and own.device == runner.device
+            and own.dtype == runner.dtype
+            and _architecture(self.draft.model.config) == _architecture(runner.model.config)
+        )
+        if shares and self._requests:
+            raise RuntimeError("share_cache: requests are running on the draft model's own cache")
+        self._row_of = row_of if shares else None
+        if shares:
+            own.cache = runner.cache
+        return shares
+
     def begin(self, request: Hashable, prompt: Sequence[int]) -> None:
+        if self._row_of is not None:  # its row is the target's, looked up when it is first drafted
+            self._requests[request] = _Request(-1, list(prompt), cached=len(prompt) - 1)
+            return
         runner = self._ensure_runner()
         if not self._free_rows:
             rows = runner.cache.num_rows
@@ -228,7 +262,7 @@ class ModelDrafter:
     def end(self, request: Hashable) -> None:
         state = self._requests.pop(request, None)
         self.root_distributions.pop(request, None)
-        if state is not None:
+        if state is not None and self._row_of is None:
             self._free_rows.append(state.row)
             self._free_rows.sort()
 
@@ -275,6 +309,11 @@ class ModelDrafter:
         if not first_level:
             return [EMPTY_PROPOSAL] * len(requests)
         self._skipped = 0
+        if self._row_of is not None:
+            for request in requests:
+                state = self._requests[request]
+                state.row = self._row_of(request)
+                state.cached = len(state.text) - 1  # the target's cache: everything but the root
         order = sorted(range(len(requests)), key=lambda i: self._requests[requests[i]].row)
         states = [self._requests[requests[i]] for i in order]
         trees = self._first_level(states, [requests[i] for i in order], pricing)
@@ -295,6 +334,8 @@ class ModelDrafter:
             self._grow(states, trees, chosen, pricing)
             levels, expanded = levels + 1, expanded + count
         for state in states:
+            if self._row_of is not None:  # the root too: the target verifies it next, in its own place
+                state.cached -= 1
             self._runner.cache.lengths[state.row] = state.cached - state.start  # drop the levels' entries
         proposals: list[Proposal] = [EMPTY_PROPOSAL] * len(requests)
         for i, state, tree in zip(order, states, trees, strict=True):
@@ -463,6 +504,30 @@ class ModelDrafter:
             self._runner = ModelRunner(self.draft.model, INITIAL_ROWS, INITIAL_CAPACITY, self.runner_kind)
             self._free_rows = list(range(INITIAL_ROWS))
         return self._runner
+
+
+ARCHITECTURE_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "sliding_window",
+    "layer_types",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+)
+"""What a model's configuration must share with the target's for its KV cache to be interchangeable
+(not metadata such as ``architectures``, nor run-time settings such as the attention implementation)."""
+
+
+def _architecture(config) -> tuple:
+    config = text_config(config)
+    return tuple(repr(getattr(config, name, None)) for name in ARCHITECTURE_FIELDS)
 
 
 class _Pricing:
