@@ -50,6 +50,12 @@ draft model about what verifying it cost the target, which at batch 8 made tryin
 now and then cost more than it could return."""
 PREFILL_SPREAD = 32
 """Steps a request's draft prefill is spread over when deciding to start drafting for it."""
+PRIOR_TRIALS = 2.0
+"""Trials a calibration bucket's prior weighs (the retrieval sources' weigh 8): the draft model's
+probability is a poor prior for greedy acceptance of a likeliest child (measured 88-100% where it
+says 10-40%), and with 8 the buckets learned so slowly where the draft model rarely ran that it went
+on skipping steps it would have won (4 prompts, 96 tokens: 208 steps, those buckets at 0.26-0.69
+after them; with 2: 147 steps, 0.54-0.86; docs/model-drafter.md)."""
 INITIAL_ROWS = 4
 INITIAL_CAPACITY = 256
 
@@ -186,7 +192,7 @@ class ModelDrafter:
         self.prompt_window = prompt_window
         self.runner_kind = runner
         self.share_target_cache = share_target_cache
-        self.calibrate = ProbabilityCalibrator(contexts=2)
+        self.calibrate = ProbabilityCalibrator(contexts=2, prior_strength=PRIOR_TRIALS)
         self.pass_seconds = PassTimer()
         self._skipped = 0
         """Steps since the draft model last ran: every ``EXPLORE_EVERY``-th runs it regardless, so that
