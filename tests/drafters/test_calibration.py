@@ -39,3 +39,22 @@ def test_node_trials_follow_the_accepted_path() -> None:
     # Both root children were tested; the one accepted decides which children were tested next.
     assert node_trials(tree, [0, 2]) == [(0, True), (1, False), (2, True)]
     assert node_trials(tree, [1]) == [(0, False), (1, True), (3, False)]
+
+
+def test_shifted_priors_carry_a_context_s_evidence_to_buckets_without_trials():
+    shifted, plain = ProbabilityCalibrator(2, 2.0, shift_priors=True), ProbabilityCalibrator(2, 2.0)
+    assert [shifted(q) for q in (0.01, 0.3, 0.9)] == [plain(q) for q in (0.01, 0.3, 0.9)]  # no evidence
+    for calibrator in (shifted, plain):
+        for _ in range(30):  # a draft model's likeliest child: accepted whatever its probability said
+            calibrator.update(0.35, True, context=0)
+            calibrator.update(0.55, True, context=0)
+    # A bucket never tried moves with its context in log-odds, keeping the raw order; without the
+    # shift it stays at its raw estimate, as does the other context either way.
+    assert shifted(0.12) > 0.8 and shifted(0.01) < shifted(0.12) < shifted(0.75)
+    assert plain(0.12) == pytest.approx(0.15)
+    assert shifted(0.12, 1) == plain(0.12, 1) == pytest.approx(0.15)
+    misses = ProbabilityCalibrator(1, 2.0, shift_priors=True)
+    for _ in range(30):
+        misses.update(0.85, False)
+    assert misses(0.5) < 0.05
+    assert misses.table()[misses.cell(0.5)] == misses(0.5)

@@ -252,6 +252,13 @@ def test_pass_timing_learns_from_passes():
     timer.record(1, 0.01)
     timer.record(9, 0.03)
     assert timer(5) == pytest.approx(0.02)
+    # A count's estimate is the median of its recent levels: a cold first level and a stall drop out.
+    for seconds in (0.05, 0.012, 0.011, 0.3, 0.013):
+        timer.record(2, seconds)
+    assert timer(2) == pytest.approx(0.013)
+    for _ in range(timer.window):
+        timer.record(2, 0.02)
+    assert timer(2) == pytest.approx(0.02)
 
 
 def test_propose_batch_rows_grow_beyond_the_first_allocation(tiny, same_draft, prompts):

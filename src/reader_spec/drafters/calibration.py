@@ -10,6 +10,7 @@ running acceptance rate. Budgets and the best-first selection trust the calibrat
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections.abc import Sequence
 
@@ -27,20 +28,28 @@ class ProbabilityCalibrator:
     """Acceptance rate per (context, raw-estimate bucket), each a Beta-Binomial posterior mean.
 
     The prior of a bucket is its own raw estimate (the bucket's middle), so a calibrated drafter needs
-    no data and ``prior_strength`` trials of evidence move a bucket halfway. Contexts are numbered
-    ``0..contexts-1`` by the caller. ``table()`` gives every estimate at once, flat by ``cell``, for
-    code that looks many of them up (the compiled retrieval core).
+    no data and ``prior_strength`` trials of evidence move a bucket halfway. With ``shift_priors``,
+    each context's priors are the raw estimates moved in log-odds by the one shift that fits all the
+    context's evidence (itself weighing ``prior_strength`` trials at no shift): a drafter whose raw
+    estimates are off by a similar amount everywhere (a draft model's likeliest child is accepted far
+    more often than its probability says, whatever that probability) is then corrected in a bucket
+    before that bucket has any trials. Contexts are numbered ``0..contexts-1`` by the caller.
+    ``table()`` gives every estimate at once, flat by ``cell``, for code that looks many of them up
+    (the compiled retrieval core).
     """
 
-    def __init__(self, contexts: int = 1, prior_strength: float = 8.0) -> None:
+    def __init__(self, contexts: int = 1, prior_strength: float = 8.0, shift_priors: bool = False) -> None:
         if contexts < 1 or prior_strength <= 0:
             raise ValueError("need at least one context and a positive prior strength")
         uppers = (*RAW_BOUNDS[1:], 1.0)
-        means = [(low + high) / 2 for low, high in zip(RAW_BOUNDS, uppers, strict=True)]
         self.contexts = contexts
-        self._hits = [m * prior_strength for _ in range(contexts) for m in means]
-        self._trials = [prior_strength] * len(self._hits)
+        self.prior_strength = prior_strength
+        self._raw = [(low + high) / 2 for low, high in zip(RAW_BOUNDS, uppers, strict=True)]
+        self._hits = [0.0] * (contexts * len(RAW_BOUNDS))
+        self._trials = [0.0] * len(self._hits)
         self._table: tuple[float, ...] | None = None
+        self._shifted: list[list[float] | None] | None = [None] * contexts if shift_priors else None
+        """Each context's shifted priors, recomputed after its next update (None: priors not shifted)."""
 
     @staticmethod
     def cell(q: float, context: int = 0) -> int:
@@ -48,19 +57,67 @@ class ProbabilityCalibrator:
 
     def __call__(self, q: float, context: int = 0) -> float:
         c = self.cell(q, context)
-        return self._hits[c] / self._trials[c]
+        return (self._hits[c] + self.prior_strength * self._prior(c)) / (
+            self._trials[c] + self.prior_strength
+        )
 
     def update(self, q: float, hit: bool, context: int = 0) -> None:
         c = self.cell(q, context)
         self._hits[c] += hit
         self._trials[c] += 1.0
         self._table = None
+        if self._shifted is not None:
+            self._shifted[context] = None
 
     def table(self) -> tuple[float, ...]:
         """Every cell's estimate, ``table()[cell(q, context)] == self(q, context)``."""
         if self._table is None:
-            self._table = tuple(h / t for h, t in zip(self._hits, self._trials, strict=True))
+            self._table = tuple(map(self._estimate, range(len(self._hits))))
         return self._table
+
+    def _estimate(self, cell: int) -> float:
+        strength = self.prior_strength
+        return (self._hits[cell] + strength * self._prior(cell)) / (self._trials[cell] + strength)
+
+    def _prior(self, cell: int) -> float:
+        context, bucket = divmod(cell, len(RAW_BOUNDS))
+        if self._shifted is None:
+            return self._raw[bucket]
+        priors = self._shifted[context]
+        if priors is None:
+            cells = slice(context * len(RAW_BOUNDS), (context + 1) * len(RAW_BOUNDS))
+            priors = self._shifted[context] = shifted_priors(
+                self._raw, self._hits[cells], self._trials[cells], self.prior_strength
+            )
+        return priors[bucket]
+
+
+SHIFT_LIMIT = 6.0
+"""Largest log-odds shift of :func:`shifted_priors` (a factor of ~400 in the odds)."""
+
+
+def shifted_priors(
+    raw: Sequence[float], hits: Sequence[float], trials: Sequence[float], strength: float
+) -> list[float]:
+    """``raw`` moved by the log-odds shift d that makes the shifted estimates predict the hits seen:
+    sum over buckets of trials x sigmoid(logit(raw) + d) = hits, with ``strength`` pseudo-trials
+    spread over the buckets that expect exactly their raw estimate (no evidence: no shift). Solved by
+    bisection; the left side grows with d."""
+    if not any(trials):
+        return list(raw)
+    logits = [math.log(r / (1.0 - r)) for r in raw]
+    pseudo = strength / len(raw)
+    target = sum(hits) + pseudo * sum(raw)
+
+    def predicted(shift: float) -> float:
+        return sum((t + pseudo) / (1.0 + math.exp(-(x + shift))) for x, t in zip(logits, trials, strict=True))
+
+    low, high = -SHIFT_LIMIT, SHIFT_LIMIT
+    for _ in range(30):
+        middle = (low + high) / 2
+        low, high = (middle, high) if predicted(middle) < target else (low, middle)
+    shift = (low + high) / 2
+    return [1.0 / (1.0 + math.exp(-(x + shift))) for x in logits]
 
 
 def node_trials(proposal: Proposal, accepted: Sequence[int]) -> list[tuple[int, bool]]:

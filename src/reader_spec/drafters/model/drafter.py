@@ -23,7 +23,9 @@ step where retrieval alone already pays best.
 from __future__ import annotations
 
 import heapq
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -62,21 +64,27 @@ INITIAL_CAPACITY = 256
 
 @dataclass
 class PassTimer:
-    """Seconds of a draft pass by its number of tokens, learned from the passes run; None until one
-    was timed.
+    """Seconds a draft level costs by its number of tokens (its pass and the work around it: masks,
+    the softmax, the tree), learned from the levels run; None until one was timed.
 
-    Each count keeps a running estimate that follows a faster pass at once and a slower one slowly:
-    the first passes (cold caches, kernel choice) and bursts of load from other processes only ever
-    add time. Between counts it interpolates; beyond the largest it extends the last two linearly
-    (flat with one), since a pass of a few more tokens costs about the same on a bandwidth-bound
-    machine.
+    Each count's estimate is the median of its last ``window`` levels: the first levels (cold caches,
+    kernel choice, up to 4x the usual) and bursts of load from other processes drop out, and what is
+    left is what a level costs in a running engine. That is 20-30% above the fastest level (another
+    model's weights pass through the caches between levels); priced at the fastest, as at first, the
+    tree grew levels that cost more than they returned (docs/model-drafter.md). Between counts it
+    interpolates; beyond the largest it extends the last two linearly (flat with one), since a pass of
+    a few more tokens costs about the same on a bandwidth-bound machine.
     """
 
+    window: int = 9
+    recent: dict[int, deque[float]] = field(default_factory=dict)
     seconds: dict[int, float] = field(default_factory=dict)
+    """Each count's current estimate."""
 
     def record(self, tokens: int, seconds: float) -> None:
-        old = self.seconds.get(tokens)
-        self.seconds[tokens] = seconds if old is None or seconds < old else 0.9 * old + 0.1 * seconds
+        recent = self.recent.setdefault(tokens, deque(maxlen=self.window))
+        recent.append(seconds)
+        self.seconds[tokens] = statistics.median(recent)
 
     def __call__(self, tokens: int) -> float | None:
         if not self.seconds:
@@ -167,6 +175,12 @@ class ModelDrafter:
     (:meth:`share_cache`) it reads everything the target has. With verification costs
     (``propose_batch``'s ``verify_seconds``), a level expands the nodes whose pass pays most and
     levels stop when none would.
+
+    By default a level expands one node with two children: a draft pass costs about half a target
+    pass on a CPU, and a node other than its parent's likeliest child is rarely accepted under
+    greedy verification, so wider trees (EAGLE-2's four by four) cost more than they returned
+    (self-draft on first turns: 1.10-1.16x plain decoding at four by four, 1.28-1.30x at one or
+    two children of one node; docs/model-drafter.md).
     """
 
     prices_own_drafting = True
@@ -176,8 +190,8 @@ class ModelDrafter:
         self,
         draft: LoadedModel,
         *,
-        branching: int = 4,
-        expand: int = 4,
+        branching: int = 2,
+        expand: int = 1,
         max_depth: int = 8,
         prompt_window: int = PROMPT_WINDOW,
         runner: str = "auto",
@@ -192,7 +206,7 @@ class ModelDrafter:
         self.prompt_window = prompt_window
         self.runner_kind = runner
         self.share_target_cache = share_target_cache
-        self.calibrate = ProbabilityCalibrator(contexts=2, prior_strength=PRIOR_TRIALS)
+        self.calibrate = ProbabilityCalibrator(contexts=2, prior_strength=PRIOR_TRIALS, shift_priors=True)
         self.pass_seconds = PassTimer()
         self._skipped = 0
         """Steps since the draft model last ran: every ``EXPLORE_EVERY``-th runs it regardless, so that
@@ -434,16 +448,13 @@ class ModelDrafter:
                 state.cached = len(state.text) - 1
             runner.cache.lengths[state.row] = state.cached - state.start
             runner.cache.reserve(len(state.text) - state.start + self.max_depth * self.expand + 1)
+        started = time.perf_counter()
         tokens = [state.text[state.cached :] for state in states]
         # Positions count from the start of the draft model's view: rotary attention depends only
         # on distances, so a prompt cut by the window reads as if it began there.
         positions = [torch.arange(state.cached, len(state.text)) - state.start for state in states]
         masks = [torch.ones(len(t), len(t), dtype=torch.bool).tril_() for t in tokens]
-        logits = self._timed(
-            lambda: runner.extend([s.row for s in states], tokens, positions, masks, last_only=True),
-            sum(map(len, tokens)),
-            pricing,
-        )
+        logits = runner.extend([s.row for s in states], tokens, positions, masks, last_only=True)
         trees = []
         for state, request, row_logits in zip(states, requests, logits, strict=True):
             state.cached = len(state.text)
@@ -454,6 +465,7 @@ class ModelDrafter:
             probs, tokens_ = distribution.topk(self.branching)
             tree.add_children(0, probs, tokens_, self.calibrate)
             trees.append(tree)
+        self._timed(started, sum(map(len, tokens)), pricing)
         return trees
 
     def _frontier(self, tree: _Tree) -> list[int]:
@@ -464,6 +476,7 @@ class ModelDrafter:
         self, states: list[_Request], trees: list[_Tree], chosen: list[list[int]], pricing: _Pricing
     ) -> None:
         """One pass over the chosen nodes of every sequence; each gets its children."""
+        started = time.perf_counter()
         runner = self._runner
         live = [b for b, nodes in enumerate(chosen) if nodes]
         tokens, positions, masks = [], [], []
@@ -481,9 +494,7 @@ class ModelDrafter:
             positions.append(torch.tensor([state.cached - 1 - state.start + tree.depths[n] for n in nodes]))
             masks.append(mask)
         rows = [states[b].row for b in live]
-        logits = self._timed(
-            lambda: runner.extend(rows, tokens, positions, masks), sum(map(len, tokens)), pricing
-        )
+        logits = runner.extend(rows, tokens, positions, masks)
         for b, row_logits in zip(live, logits, strict=True):
             tree, nodes = trees[b], chosen[b]
             runner.cache.lengths[states[b].row] += len(nodes)
@@ -495,15 +506,14 @@ class ModelDrafter:
         for b in range(len(trees)):
             if not chosen[b]:
                 trees[b].frontier = []
+        self._timed(started, sum(map(len, tokens)), pricing)
 
-    def _timed(self, run, tokens: int, pricing: _Pricing):
-        started = time.perf_counter()
-        result = run()
+    def _timed(self, started: float, tokens: int, pricing: _Pricing) -> None:
+        """A level of ``tokens`` that began at ``started`` is done: its cost is learned and spent."""
         self._synchronize()
         seconds = time.perf_counter() - started
         self.pass_seconds.record(tokens, seconds)
         pricing.spent += seconds
-        return result
 
     def _ensure_runner(self) -> ModelRunner:
         if self._runner is None:
