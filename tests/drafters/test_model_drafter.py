@@ -70,6 +70,20 @@ def test_model_drafts_are_exact_with_any_draft_model(
     assert accepted == sum(o.stats.accepted_by_source.get("model", 0) for o in outputs)
 
 
+def test_a_drafter_set_after_the_engine_ran_shares_its_cache(tiny, prompts, plain, same_draft):
+    """A benchmark gives each run a fresh drafter on an engine whose runner (and cache) already
+    exists: the new drafter must be offered the target's cache as the first one was."""
+    engine = Engine(tiny, ModelDrafter(same_draft, max_depth=3), budget=8, costs=FLAT_COSTS)
+    engine.generate(prompts[:1], NO_EOS)
+    drafter = engine.drafter = ModelDrafter(same_draft, max_depth=3)
+    assert drafter._runner.cache is engine._runner.cache
+    assert [o.tokens for o in engine.generate(prompts[:3], NO_EOS)] == [o.tokens for o in plain[:3]]
+    engine.add_request(prompts[0], NO_EOS)
+    engine.step()
+    with pytest.raises(RuntimeError, match="while requests are running"):
+        engine.drafter = None
+
+
 @pytest.mark.parametrize("batch_size", [1, 8])
 @pytest.mark.parametrize("mode", ["reader", "rasd"])
 def test_fused_drafts_are_exact_and_sampling_stays_the_models(

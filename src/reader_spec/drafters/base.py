@@ -16,7 +16,8 @@ class Drafter(Protocol):
     the root of the next draft tree. The engine calls ``begin`` once, then alternates ``propose``,
     ``observe`` and ``extend``, and calls ``end`` when the request finishes. A drafter that runs a
     model may also define ``share_cache(runner, row_of)``: the engine offers it the target's runner
-    (whose KV cache holds every request's text up to its root) and each request's row there.
+    (whose KV cache holds every request's text up to its root) and each request's row there, for
+    every new runner and whenever the drafter is replaced.
     """
 
     def begin(self, request: Hashable, prompt: Sequence[int]) -> None:

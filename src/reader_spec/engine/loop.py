@@ -91,25 +91,39 @@ class Engine:
             raise ValueError(f"budget must be >= 0, got {budget}")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        check_target = getattr(drafter, "check_target", None)
-        if check_target is not None:  # a draft model must share the target's tokenizer
-            check_target(loaded)
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
+        self.scheduler = Scheduler(max_batch_size)
+        self._runner: ModelRunner | None = None
         self.drafter = drafter
         self.budget = budget if drafter is not None else 0
         self.adaptive_budget = adaptive_budget
         self.realized = RealizedAcceptance()
         self.realized_cost = RealizedCost()
-        self.drafting_gate = None if getattr(drafter, "prices_own_drafting", False) else DraftingGate()
         self.max_context = max_context_of(self.model.config)
-        self.scheduler = Scheduler(max_batch_size)
         self._costs = costs
         self.runner_kind = runner
-        self._runner: ModelRunner | None = None
         self._keys = itertools.count()
         self._synchronize = synchronizer(self.model.device)
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter | None) -> None:
+        """Draft with ``drafter`` from the next request on (a benchmark starts each run with a fresh
+        one); refused while requests run, whose state lives in the drafter they began with."""
+        if self.scheduler.running:
+            raise RuntimeError("the drafter cannot change while requests are running")
+        check_target = getattr(drafter, "check_target", None)
+        if check_target is not None:  # a draft model must share the target's tokenizer
+            check_target(self.loaded)
+        self._drafter = drafter
+        self.drafting_gate = None if getattr(drafter, "prices_own_drafting", False) else DraftingGate()
+        if self._runner is not None:
+            self._offer_cache(self._runner)
 
     # --- public API ------------------------------------------------------------------------------
     def generate(
@@ -385,10 +399,15 @@ class Engine:
         if runner is None or (runner.cache.num_rows < rows and not self.scheduler.running):
             capacity = runner.cache.capacity if runner is not None else 64
             runner = self._runner = ModelRunner(self.model, rows, capacity, self.runner_kind)
-            share_cache = getattr(self.drafter, "share_cache", None)
-            if share_cache is not None:  # a draft model with the target's shapes reads its cache
-                share_cache(runner, self._row_of)
+            self._offer_cache(runner)
         return runner
+
+    def _offer_cache(self, runner: ModelRunner) -> None:
+        """Let a draft model with the target's shapes read and write the target's KV cache (asked
+        again for every new runner and every new drafter)."""
+        share_cache = getattr(self.drafter, "share_cache", None)
+        if share_cache is not None:
+            share_cache(runner, self._row_of)
 
     def _row_of(self, key: int) -> int:
         """The cache row of a running request (a drafter sharing the cache asks once per request)."""
