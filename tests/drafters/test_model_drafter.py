@@ -190,6 +190,21 @@ def test_calibration_learns_the_likeliest_child_apart_from_its_siblings(tiny, sa
             assert drafter.calibrate(q, context) < prior(q, context)
 
 
+def test_the_typical_tree_is_priced_with_the_calibration_as_it_is_now(same_draft, prompts):
+    """Whether the draft model may pay is judged by its recent trees; priced by what the calibration
+    said when they were drafted, one early low estimate would veto the draft model for good (a fused
+    drafter then never runs it, and so never learns otherwise)."""
+    drafter = ModelDrafter(same_draft, branching=2, max_depth=1)
+    drafter.begin("r", prompts[0])
+    proposal = drafter.propose("r", 2)
+    before = drafter._typical_probs()
+    assert before == sorted(proposal.probs, reverse=True)
+    for q, context in drafter._requests["r"].pending[1]:
+        for _ in range(20):
+            drafter.calibrate.update(q, True, context)
+    assert drafter._typical_probs()[0] > before[0]
+
+
 def test_a_level_expands_only_the_nodes_whose_pass_pays():
     """A level's pass costs more with more nodes: it expands the count that raises the step's rate
     most, none where even the best node does not pay, all where nothing is priced."""

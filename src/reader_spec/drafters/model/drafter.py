@@ -58,6 +58,8 @@ probability is a poor prior for greedy acceptance of a likeliest child (measured
 says 10-40%), and with 8 the buckets learned so slowly where the draft model rarely ran that it went
 on skipping steps it would have won (4 prompts, 96 tokens: 208 steps, those buckets at 0.26-0.69
 after them; with 2: 147 steps, 0.54-0.86; docs/model-drafter.md)."""
+RECENT_TREES = 16
+"""Sequences' trees the typical tree is averaged over (``_worth_running``)."""
 INITIAL_ROWS = 4
 INITIAL_CAPACITY = 256
 
@@ -214,9 +216,13 @@ class ModelDrafter:
         self._prefill_per_token: float | None = None
         self._expanded: float | None = None
         """Nodes a level after the first expands per sequence, as recently grown (None: none grown)."""
-        self._typical: tuple[list[float], float] | None = None
-        """What running the draft model recently gave: a sequence's proposal probabilities (running
-        mean by rank) and the levels grown; the first pass is priced as the whole tree it leads to."""
+        self._recent: deque[tuple[Proposal, tuple[tuple[float, int], ...]]] = deque(maxlen=RECENT_TREES)
+        """What running the draft model recently gave, each sequence's proposal with its raw
+        probabilities: priced again with the calibration as it is now (one learned from a few trees
+        no longer prices the draft model's trees by what it thought of them before they were tried).
+        The first pass is priced as the whole tree it leads to."""
+        self._levels = 0
+        """Levels the draft model's last run grew."""
         self.root_distributions: dict[Hashable, torch.Tensor] = {}
         """The draft model's next-token probabilities at each request's root, from its last step
         (RASD prunes retrieval branches with them)."""
@@ -359,23 +365,31 @@ class ModelDrafter:
             self._runner.cache.lengths[state.row] = state.cached - state.start  # drop the levels' entries
         proposals: list[Proposal] = [EMPTY_PROPOSAL] * len(requests)
         for i, state, tree in zip(order, states, trees, strict=True):
-            proposal, raw = tree.proposal(max_nodes)
-            state.pending = (proposal, raw)
-            proposals[i] = proposal
-        self._remember(proposals, levels, expanded / (levels - 1) / len(requests) if levels > 1 else None)
+            state.pending = tree.proposal(max_nodes)
+            proposals[i] = state.pending[0]
+        self._remember(states, levels, expanded / (levels - 1) / len(requests) if levels > 1 else None)
         return proposals
 
-    def _remember(self, proposals: list[Proposal], levels: int, expanded: float | None) -> None:
+    def _remember(self, states: list[_Request], levels: int, expanded: float | None) -> None:
         """Keep what this run gave for pricing the next (``expanded``: nodes a later level expanded
         per sequence, None where there was none)."""
-        ranks = max(map(len, proposals))
-        probs = [sum(p.probs[r] for p in proposals if r < len(p)) / len(proposals) for r in range(ranks)]
-        if self._typical is not None:
-            old = self._typical[0] + [0.0] * (ranks - len(self._typical[0]))
-            probs = [(a + b) / 2 for a, b in zip(old, probs + [0.0] * (len(old) - ranks), strict=True)]
+        self._recent.extend(state.pending for state in states if state.pending is not None)
         if expanded is not None:
             self._expanded = expanded if self._expanded is None else (self._expanded + expanded) / 2
-        self._typical = (probs, levels)
+        self._levels = levels
+
+    def _typical_probs(self) -> list[float]:
+        """Path probabilities by rank, averaged over the recent trees, from today's calibration."""
+        totals: list[float] = []
+        for proposal, raw in self._recent:
+            path: list[float] = []
+            for parent, (q, context) in zip(proposal.parents, raw, strict=True):
+                path.append(self.calibrate(q, context) * (path[parent] if parent >= 0 else 1.0))
+            path.sort(reverse=True)
+            totals += [0.0] * (len(path) - len(totals))
+            for rank, prob in enumerate(path):
+                totals[rank] += prob
+        return [total / len(self._recent) for total in totals]
 
     def may_pay(
         self,
@@ -399,9 +413,9 @@ class ModelDrafter:
         probabilities), not their union. Prompts the draft model has not read yet add their prefill,
         spread over ``PREFILL_SPREAD`` steps.
         """
-        if self._typical is None:
+        if not self._recent:
             return True  # nothing drafted yet: worth a try
-        probs, levels = self._typical
+        probs, levels = self._typical_probs(), self._levels
         # The first pass is priced at one token per sequence: tokens left to catch up on are paid for
         # whenever the draft model runs next, so they must not argue for skipping it again.
         first = self.pass_seconds(len(requests))
