@@ -405,21 +405,25 @@ class ModelDrafter:
     def _worth_running(
         self, requests: Sequence[Hashable], alongside: Sequence[Proposal] | None, pricing: _Pricing
     ) -> bool:
-        """Whether the step's best rate is higher with the tree the draft model typically grows than
-        with the other drafters' proposals alone.
+        """Whether the step's best rate is higher with the tree the draft model typically grows, cut
+        at the depth that pays best, than with the other drafters' proposals alone.
 
-        Both trees mostly propose the same continuation where both are right, so each sequence is
-        priced with the likelier of the two (by expected accepted tokens, the sum of its path
-        probabilities), not their union. Prompts the draft model has not read yet add their prefill,
-        spread over ``PREFILL_SPREAD`` steps.
+        The typical tree is cut at every depth up to the levels last grown (its likeliest nodes, as
+        many as that many levels give a sequence): the last run's depth is not the only one that can
+        pay (measured: eight levels grown where every node was accepted, then skipped for dozens of
+        steps where two would have paid). Both trees mostly propose the same continuation where both
+        are right, so each sequence is priced with the likelier of the two (by expected accepted
+        tokens, the sum of its path probabilities), not their union. Prompts the draft model has not
+        read yet add their prefill, spread over ``PREFILL_SPREAD`` steps.
         """
         if not self._recent:
             return True  # nothing drafted yet: worth a try
-        probs, levels = self._typical_probs(), self._levels
+        probs = self._typical_probs()
         # The first pass is priced at one token per sequence: tokens left to catch up on are paid for
         # whenever the draft model runs next, so they must not argue for skipping it again.
+        expanded = self._expanded or self.expand
         first = self.pass_seconds(len(requests))
-        later = self.pass_seconds(max(1, round((self._expanded or self.expand) * len(requests))))
+        later = self.pass_seconds(max(1, round(expanded * len(requests))))
         unread = sum(
             min(len(s.text), self.prompt_window)
             for s in map(self._requests.__getitem__, requests)
@@ -427,12 +431,16 @@ class ModelDrafter:
         )
         if first is None or later is None or (unread and self._prefill_per_token is None):
             return True
-        seconds = first + (levels - 1) * later + unread * (self._prefill_per_token or 0.0) / PREFILL_SPREAD
-        nodes: list[float] = []
-        for proposal in alongside or [None] * len(requests):
-            own = list(proposal.probs) if proposal is not None else []
-            nodes += probs if sum(probs) > sum(own) else own
-        return pricing.better(nodes, seconds)
+        prefill = unread * (self._prefill_per_token or 0.0) / PREFILL_SPREAD
+        for levels in range(1, max(self._levels, 1) + 1):
+            cut = probs[: round(self.branching * (1 + (levels - 1) * expanded))]
+            nodes: list[float] = []
+            for proposal in alongside or [None] * len(requests):
+                own = list(proposal.probs) if proposal is not None else []
+                nodes += cut if sum(cut) > sum(own) else own
+            if pricing.better(nodes, first + (levels - 1) * later + prefill):
+                return True
+        return False
 
     def _child_ratio(self, trees: list[_Tree]) -> float:
         """Calibrated probability mass a node's children carry, relative to the node (last level's)."""
