@@ -205,6 +205,19 @@ def test_the_typical_tree_is_priced_with_the_calibration_as_it_is_now(same_draft
     assert drafter._typical_probs()[0] > before[0]
 
 
+def test_a_veto_on_the_draft_model_is_lifted_now_and_then(same_draft, prompts):
+    """Only running the draft model corrects what prices it: vetoed steps in a row are let through
+    after ``EXPLORE_EVERY``, then twice as many, and so on (a veto for good kept an early estimate)."""
+    from reader_spec.drafters.model.drafter import EXPLORE_EVERY
+
+    drafter = ModelDrafter(same_draft)
+    drafter._worth_running = lambda requests, alongside, pricing: False
+    allowed = [i for i in range(1, 3 * EXPLORE_EVERY + 1) if drafter.may_pay(["r"], [1.0, 1.1], None)]
+    assert allowed == [EXPLORE_EVERY, 3 * EXPLORE_EVERY]
+    drafter._worth_running = lambda requests, alongside, pricing: True
+    assert drafter.may_pay(["r"], [1.0, 1.1], None) and drafter._veto_limit == EXPLORE_EVERY
+
+
 def test_a_level_expands_only_the_nodes_whose_pass_pays():
     """A level's pass costs more with more nodes: it expands the count that raises the step's rate
     most, none where even the best node does not pay, all where nothing is priced."""

@@ -40,6 +40,8 @@ MODEL_SOURCE = "model"
 """The source label of the draft model's nodes."""
 
 EXPLORE_EVERY = 8
+MAX_VETOES = 256
+"""Most steps :meth:`ModelDrafter.may_pay` refuses in a row (it backs off from ``EXPLORE_EVERY``)."""
 PROMPT_WINDOW = 256
 """Most prompt tokens the draft model reads (the last ones). Reading a prompt costs the draft model
 about what it costs the target (prefill is compute-bound, int8 or not), which at batch 8 doubled
@@ -58,6 +60,11 @@ probability is a poor prior for greedy acceptance of a likeliest child (measured
 says 10-40%), and with 8 the buckets learned so slowly where the draft model rarely ran that it went
 on skipping steps it would have won (4 prompts, 96 tokens: 208 steps, those buckets at 0.26-0.69
 after them; with 2: 147 steps, 0.54-0.86; docs/model-drafter.md)."""
+RUNS_BEFORE_PRICING = 3
+"""Runs of the draft model before its typical tree and timed levels may say it does not pay: the
+first level of a new drafter can take ten times the usual (measured: 172 ms against 14), and one such
+estimate vetoed the draft model in a fused drafter for good, since only running it corrects it (a
+median of three drops it)."""
 RECENT_TREES = 16
 """Sequences' trees the typical tree is averaged over (``_worth_running``)."""
 INITIAL_ROWS = 4
@@ -223,6 +230,9 @@ class ModelDrafter:
         The first pass is priced as the whole tree it leads to."""
         self._levels = 0
         """Levels the draft model's last run grew."""
+        self._runs = 0
+        self._vetoes, self._veto_limit = 0, EXPLORE_EVERY
+        """Steps :meth:`may_pay` refused in a row, and how many it refuses before letting one through."""
         self.root_distributions: dict[Hashable, torch.Tensor] = {}
         """The draft model's next-token probabilities at each request's root, from its last step
         (RASD prunes retrieval branches with them)."""
@@ -335,6 +345,7 @@ class ModelDrafter:
         if not first_level:
             return [EMPTY_PROPOSAL] * len(requests)
         self._skipped = 0
+        self._runs += 1
         if self._row_of is not None:
             for request in requests:
                 state = self._requests[request]
@@ -398,9 +409,22 @@ class ModelDrafter:
         alongside: Sequence[Proposal] | None,
     ) -> bool:
         """Whether running the draft model this step could raise its rate, by the tree it typically
-        grows, its timed passes and the verification costs (optimistic: a fused drafter that learns
-        from outcomes asks this first, to never even try the draft model where it cannot pay)."""
-        return self._worth_running(requests, alongside, _Pricing(verify_seconds, len(requests), alongside))
+        grows, its timed passes and the verification costs (a fused drafter that learns from outcomes
+        asks this first, to rarely even try the draft model where it cannot pay).
+
+        Not never: the typical tree and the timed levels are only corrected by running the draft
+        model, so a veto held for good would keep an early estimate for good (measured: a first tree
+        priced before any acceptance was seen vetoed all 340 later steps of three prompts). After
+        ``EXPLORE_EVERY`` vetoes in a row one step is let through, then after twice as many, up to
+        ``MAX_VETOES``; a step the price lets through resets the count."""
+        if self._worth_running(requests, alongside, _Pricing(verify_seconds, len(requests), alongside)):
+            self._vetoes, self._veto_limit = 0, EXPLORE_EVERY
+            return True
+        self._vetoes += 1
+        if self._vetoes < self._veto_limit:
+            return False
+        self._vetoes, self._veto_limit = 0, min(2 * self._veto_limit, MAX_VETOES)
+        return True
 
     def _worth_running(
         self, requests: Sequence[Hashable], alongside: Sequence[Proposal] | None, pricing: _Pricing
@@ -416,8 +440,8 @@ class ModelDrafter:
         tokens, the sum of its path probabilities), not their union. Prompts the draft model has not
         read yet add their prefill, spread over ``PREFILL_SPREAD`` steps.
         """
-        if not self._recent:
-            return True  # nothing drafted yet: worth a try
+        if self._runs < RUNS_BEFORE_PRICING:
+            return True
         probs = self._typical_probs()
         # The first pass is priced at one token per sequence: tokens left to catch up on are paid for
         # whenever the draft model runs next, so they must not argue for skipping it again.
