@@ -18,7 +18,10 @@ if TYPE_CHECKING:
     from reader_spec.loading import LoadedModel
 
 RASD_DEPTH = 6
-"""RASD drafts with EAGLE-2's dynamic tree at its published depth, every step."""
+RASD_WIDTH = 4
+"""RASD drafts with EAGLE-2's dynamic tree at its published depth, every step: each level expands up
+to ``RASD_WIDTH`` frontier nodes with as many children each (the model drafter's own default is
+narrower, for this engine's costs)."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,9 @@ DRAFTERS: dict[str, DrafterSpec] = {
     ),
     "rasd": DrafterSpec(
         lambda datastore, draft: FusedDrafter(
-            _retrieval(datastore), ModelDrafter(draft, max_depth=RASD_DEPTH), "rasd"
+            _retrieval(datastore),
+            ModelDrafter(draft, branching=RASD_WIDTH, expand=RASD_WIDTH, max_depth=RASD_DEPTH),
+            "rasd",
         ),
         needs_draft_model=True,
     ),
