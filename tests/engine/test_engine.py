@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import random
 from collections import Counter
@@ -532,3 +533,40 @@ def test_int8_weights_serve_both_runners_and_speculation_stays_exact(tiny, promp
         self_draft(loaded)
     with pytest.raises(ValueError, match="weights must be one of"):
         pack_weights(loaded.model, "int3")
+
+
+def _fresh_kernel_choices(monkeypatch, loaded):
+    """A copy of the model that has made no kernel choice, and every timing of one recorded."""
+    from reader_spec.engine import decoder, greedy_head, weights
+
+    monkeypatch.setattr(weights, "_CHOICES", {})
+    monkeypatch.setattr(decoder, "_ATTENTION_CHOICES", {})
+    timed = []
+    for module, name in ((weights, "best_times"), (decoder, "best_times"), (greedy_head, "fastest")):
+        original = getattr(module, name)
+
+        def record(*args, original=original, **kwargs):
+            timed.append(len(timed))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, record)
+    model = copy.deepcopy(loaded.model)
+    for module in model.modules():
+        if isinstance(module, weights.PackedLinear):
+            module._compiled_by_rows.clear()
+    return replace(loaded, model=model), timed
+
+
+def test_a_warm_up_leaves_no_kernel_choice_to_a_running_step(tiny, prompts, monkeypatch):
+    """Kernel choices are timed when a pass first needs them (0.2-1 s each on the default model): a
+    warm-up makes them all for the steps it was told of, so no timed step pays for one."""
+    loaded, timed = _fresh_kernel_choices(monkeypatch, tiny)
+    cold = Engine(loaded, ReaderDrafter(), budget=8, costs=FLAT_COSTS)
+    cold.generate(prompts[:2], NO_EOS, batch_size=2)
+    assert timed  # without a warm-up, steps time the choices
+    loaded, timed = _fresh_kernel_choices(monkeypatch, tiny)
+    engine = Engine(loaded, ReaderDrafter(), budget=8, costs=FLAT_COSTS)
+    engine.warm_up(2, prompt_tokens=max(map(len, prompts)))
+    timed.clear()
+    engine.generate(prompts, NO_EOS, batch_size=2)
+    assert not timed

@@ -29,6 +29,7 @@ from reader_spec.drafters.pld import DEFAULT_NUM_TOKENS
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.engine.decoder import supports
 from reader_spec.engine.loop import DEFAULT_BUDGET, Engine, model_eos_ids
+from reader_spec.engine.weights import ROW_BUCKETS
 from reader_spec.loading import LoadedModel
 
 OnFinish = Callable[[], None]
@@ -112,7 +113,9 @@ class EngineMethod:
         self.speculative = engine.budget > 0
 
     def warm_up(self, batch_size: int) -> None:
-        self.engine.warm_up(batch_size)
+        # Every prefill's kernel choices too: made inside the first method's timed prompts, they
+        # would slow it alone (1-2 s at 256-512 rows).
+        self.engine.warm_up(batch_size, prompt_tokens=ROW_BUCKETS[-1])
 
     def reset(self) -> None:
         if self.new_drafter is not None:

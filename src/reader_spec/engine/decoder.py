@@ -327,6 +327,21 @@ class FastDecoder:
         visible = {kind: mask[:, 0].contiguous() for kind, mask in masks.items()}
         return _Plan(token_row, position, token_tree, token_offset, visible)
 
+    def choose_kernels(self, max_rows: int) -> None:
+        """Make the kernel choices timed per row bucket (each matrix shape's product, the greedy head,
+        the attention beyond whole layers) now, for passes of up to ``max_rows`` tokens. Each is timed
+        when a pass first needs it, which in a running engine adds 0.2-1 s to that step (measured at
+        6-24 rows, 2026-11-26): a warm-up calls this, so that no timed step pays for it, nor the first
+        method of a benchmark for those after it."""
+        largest = next((b for b in ROW_BUCKETS if b >= max_rows), ROW_BUCKETS[-1])
+        for rows in (b for b in ROW_BUCKETS if b <= largest):
+            self.lm_head.compiled_at(rows)
+            for layer in self.layers:
+                layer.compiled_at(rows)
+            if self.greedy_head is not None:
+                self.greedy_head.wins(rows)
+            self._runs_compiled(rows)
+
     def _runs_compiled(self, tokens: int) -> bool:
         """Whether a pass of ``tokens`` tokens runs the compiled attention (and whole layers)."""
         if tokens <= NATIVE_ROWS:

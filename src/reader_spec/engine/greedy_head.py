@@ -77,7 +77,7 @@ class GreedyHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """The argmax token of each row of ``hidden`` (``[rows, in]``): ``[rows]``, long."""
-        if not self._wins(hidden.shape[0]):
+        if not self.wins(hidden.shape[0]):
             return self.head(hidden).argmax(-1)
         tokens = self._bounded(hidden)
         unbounded = tokens < 0  # a row with inf or NaN: its bound says nothing, take the full product
@@ -91,7 +91,9 @@ class GreedyHead:
             hidden, head.weight, self.quantized, self.scales, self.slack, self.norms, head.out_features
         )
 
-    def _wins(self, rows: int) -> bool:
+    def wins(self, rows: int) -> bool:
+        """Whether the bounded head beats the whole output layer at ``rows`` rows (timed once per row
+        bucket, when first asked)."""
         bucket = next((b for b in ROW_BUCKETS if b >= rows), None)
         if bucket is None:
             return False

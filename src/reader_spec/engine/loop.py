@@ -264,9 +264,13 @@ class Engine:
             )
         return self._costs
 
-    def warm_up(self, batch_size: int = 1) -> None:
-        """Measure costs for the batch sizes a run may use and warm kernels, outside any timing."""
+    def warm_up(self, batch_size: int = 1, prompt_tokens: int = 0) -> None:
+        """Measure costs for the batch sizes a run may use and warm kernels, outside any timing: the
+        kernel choices for every step at ``batch_size`` and for prefills of up to ``prompt_tokens``."""
         self.calibrate(batch_size)
+        decoder = self._ensure_runner().decoder
+        if decoder is not None:
+            decoder.choose_kernels(max(batch_size * (self.budget + 1), prompt_tokens))
         self.generate([[1, 2, 3, 4]], GenerationConfig(max_new_tokens=2, eos_token_ids=()))
 
     # --- one step: draft -> verify -> accept -----------------------------------------------------
