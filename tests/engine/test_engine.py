@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import functools
 import random
 from collections import Counter
@@ -18,6 +17,7 @@ from reader_spec.drafters import ReaderDrafter
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.engine.loop import Engine
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal, chain_proposal
+from tests.conftest import make_tiny_llama
 
 FLAT_COSTS = CostModel(measure=lambda batch, drafted, context: dict.fromkeys(drafted, 1.0))
 """Verification costs the same whatever it verifies, so every proposed node is verified."""
@@ -536,7 +536,8 @@ def test_int8_weights_serve_both_runners_and_speculation_stays_exact(tiny, promp
 
 
 def _fresh_kernel_choices(monkeypatch, loaded):
-    """A copy of the model that has made no kernel choice, and every timing of one recorded."""
+    """A new model like ``loaded``'s that has made no kernel choice (the session's tiny model may have
+    made them all in earlier tests), and every timing of one recorded."""
     from reader_spec.engine import decoder, greedy_head, weights
 
     monkeypatch.setattr(weights, "_CHOICES", {})
@@ -550,11 +551,7 @@ def _fresh_kernel_choices(monkeypatch, loaded):
             return original(*args, **kwargs)
 
         monkeypatch.setattr(module, name, record)
-    model = copy.deepcopy(loaded.model)
-    for module in model.modules():
-        if isinstance(module, weights.PackedLinear):
-            module._compiled_by_rows.clear()
-    return replace(loaded, model=model), timed
+    return replace(loaded, model=make_tiny_llama()), timed
 
 
 def test_a_warm_up_leaves_no_kernel_choice_to_a_running_step(tiny, prompts, monkeypatch):
