@@ -133,29 +133,21 @@ def visibility(
     row is empty. Under a sliding window, masked earlier tokens count at their cache index (drafts
     only: verified trees have none).
     """
-    batch, width = positions.shape
+    width = positions.shape[1]
     widths = torch.tensor([local.shape[0] for local in local_masks])
     earlier = torch.tensor([local.shape[1] - local.shape[0] for local in local_masks])
-    span = int(earlier.max()) + width
-    local = torch.zeros(batch, width, span, dtype=torch.bool)
-    for b, tree in enumerate(local_masks):
-        local[b, : tree.shape[0], : tree.shape[1]] = tree
     start = lengths - earlier  # the first key a local mask covers
-    offset = torch.arange(kv_length)[None] - start[:, None]  # key index relative to that
-    inside = (offset >= 0) & (offset < span)
-    index = offset.clamp(0, span - 1)
-    sees_tree = local.gather(2, index[:, None].expand(batch, width, kv_length)) & inside[:, None]
-    allowed = (offset < 0)[:, None] | sees_tree
-    padding = (torch.arange(width)[None] >= widths[:, None])[..., None]
-    first_key = torch.arange(kv_length) == 0
-    allowed = torch.where(padding, first_key, allowed)
+    keys = torch.arange(kv_length)
+    real = torch.arange(width)[None] < widths[:, None]  # [batch, width]: not padding
+    allowed = (keys < start[:, None, None]) & real[..., None]  # the context before the local masks
+    for b, (first, tree) in enumerate(zip(start.tolist(), local_masks, strict=True)):
+        allowed[b, : tree.shape[0], first : first + tree.shape[1]] = tree
+    allowed[..., 0] |= ~real  # padding rows see key 0 only, so that none is empty
     masks = {"full_attention": allowed[:, None]}
     if sliding_window is not None:
-        new = offset - earlier[:, None]  # key index relative to the new tokens
+        new = keys[None] - lengths[:, None]  # key index relative to the new tokens
         is_new = (new >= 0) & (new < width)
-        key_positions = torch.where(
-            is_new, positions.gather(1, new.clamp(0, width - 1)), torch.arange(kv_length)[None]
-        )
+        key_positions = torch.where(is_new, positions.gather(1, new.clamp(0, width - 1)), keys[None])
         distance = positions[:, :, None] - key_positions[:, None, :]
         masks["sliding_attention"] = (allowed & (distance < sliding_window))[:, None]
     return masks

@@ -320,10 +320,8 @@ class FastDecoder:
                 empty = hidden.new_empty(0, kv_heads, self.head_dim)
                 layer_cache.destination(empty, empty)
         _, token_row, position, _ = cache.window()
-        sizes = torch.tensor(widths)
-        token_tree = torch.arange(len(widths)).repeat_interleave(sizes)
-        starts = sizes.cumsum(0) - sizes
-        token_offset = torch.arange(int(sizes.sum())) - starts.repeat_interleave(sizes)
+        token_tree = torch.tensor([tree for tree, width in enumerate(widths) for _ in range(width)])
+        token_offset = torch.tensor([offset for width in widths for offset in range(width)])
         visible = {kind: mask[:, 0].contiguous() for kind, mask in masks.items()}
         return _Plan(token_row, position, token_tree, token_offset, visible)
 

@@ -114,16 +114,15 @@ class RaggedKVCache(Cache):
         Returns the key length the attention mask must have: the longest context among the rows
         plus its new tokens. Layers return keys and values for the span ``rows[0]..rows[-1]``.
         """
-        lengths = self.lengths[rows]
-        widths_ = torch.tensor(widths)
-        kv_length = int((lengths + widths_).max())
+        lengths = self.lengths[rows].tolist()
+        kv_length = max(length + width for length, width in zip(lengths, widths, strict=True))
         if kv_length > self.capacity:
             self.reserve(kv_length)
-        token_rows = torch.tensor(rows).repeat_interleave(widths_)
-        starts = torch.cumsum(widths_, 0) - widths_
-        offsets = torch.arange(int(widths_.sum())) - starts.repeat_interleave(widths_)
-        self._rows = token_rows.to(self.device)
-        self._positions = (lengths.repeat_interleave(widths_) + offsets).to(self.device)
+        # Built as lists: a pass has at most a few hundred tokens, and each tensor op costs microseconds.
+        token_rows = [row for row, width in zip(rows, widths, strict=True) for _ in range(width)]
+        positions = [length + i for length, width in zip(lengths, widths, strict=True) for i in range(width)]
+        self._rows = torch.tensor(token_rows, device=self.device)
+        self._positions = torch.tensor(positions, device=self.device)
         self._span, self._kv_length = slice(rows[0], rows[-1] + 1), kv_length
         return kv_length
 

@@ -170,11 +170,10 @@ class PackedLinear(nn.Module):
             rows = self.weight[tokens]
         elif self.scales is None:
             rows = self.weight[tokens // BLOCK, :, tokens % BLOCK]
-        else:
-            column = (tokens % BLOCK).unsqueeze(-1) * INT8_GROUP + torch.arange(INT8_GROUP)
-            grouped = self.weight[(tokens // BLOCK).unsqueeze(-1), :, column]  # [..., 4, groups]
-            in_order = grouped.transpose(-1, -2).flatten(-2)[..., : self.in_features]
-            rows = (in_order.to(torch.int16) - 128).to(torch.int8)
+        else:  # a column's bytes are [groups, 4] of its block: k in order once flattened
+            columns = self.weight.view(*self.weight.shape[:2], BLOCK, INT8_GROUP)
+            grouped = columns[tokens // BLOCK, :, tokens % BLOCK]  # [..., groups, 4]
+            rows = grouped.flatten(-2)[..., : self.in_features].to(self.scales.dtype) - 128
         if self.scales is None:
             return rows
         return rows.to(self.scales.dtype) * self.scales[tokens].unsqueeze(-1)
