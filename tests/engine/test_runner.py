@@ -317,15 +317,15 @@ LLAMA_SHAPED = {"llama", "mistral", "phi3", "qwen2", "qwen3"}
 """Families whose layers run whole as one compiled call (RMSNorm, SiLU, no norms after the blocks)."""
 
 
-class _CountingLayer:
-    """A compiled layer that counts its calls (to know the whole-layer path really ran)."""
+class _CountingStack:
+    """The compiled layers, counting their calls (to know the whole-layer path really ran)."""
 
-    def __init__(self, native):
-        self.native, self.calls = native, 0
+    def __init__(self, stack):
+        self.stack, self.calls = stack, 0
 
     def forward(self, *args):
         self.calls += 1
-        return self.native.forward(*args)
+        return self.stack.forward(*args)
 
 
 @pytest.mark.parametrize("weights", ["float32", "int8"])
@@ -350,13 +350,13 @@ def test_whole_compiled_layers_compute_the_bits_of_the_layer_by_layer_path(famil
             pytest.fail("the compiled kernels must build on this machine (make builds them)")
         runner.decoder.native = native
         runners.append(runner)
-    layers = runners[0].decoder.layers
-    assert all(layer.native is not None for layer in layers) == (family in LLAMA_SHAPED)
+    decoder = runners[0].decoder
+    assert all(layer.native is not None for layer in decoder.layers) == (family in LLAMA_SHAPED)
+    assert (decoder.stack is not None) == (family in LLAMA_SHAPED)
     counters = []
-    for layer in layers:
-        if layer.native is not None:
-            layer.native = _CountingLayer(layer.native)
-            counters.append(layer.native)
+    if decoder.stack is not None:
+        decoder.stack = _CountingStack(decoder.stack)
+        counters.append(decoder.stack)
     rng = np.random.default_rng(3)
     rows = [0, 1, 3]
     for runner in runners:

@@ -183,10 +183,20 @@ class FastDecoder:
         if self.fused:
             for layer in self.layers:
                 layer.native = _native_layer(layer)
+        self.stack = _native_stack(self.layers)
+        """Every layer as one compiled call (``DecoderStack``), where each has one; else None."""
         # Soft-capping can map distinct logits to one float and change which is first among equals.
         exact_argmax = self.final_softcap is None and GreedyHead.applies(self.lm_head)
         self.greedy_head = GreedyHead(self.lm_head) if exact_argmax else None
         """Greedy tokens without the whole float32 output layer (:mod:`reader_spec.engine.greedy_head`)."""
+
+    def __getstate__(self) -> dict:
+        """A copy (a draft model's) builds its compiled stack over its own copied layers."""
+        return {name: value for name, value in self.__dict__.items() if name != "stack"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.stack = _native_stack(self.layers)
 
     def _pack_layer(self, layer: nn.Module, kind: str) -> _Layer:
         attention, mlp = layer.self_attn, layer.mlp
@@ -260,27 +270,55 @@ class FastDecoder:
         plan = self._plan(cache, widths, masks, hidden) if compiled else None
         if plan is None:
             masks = additive(masks, hidden.dtype)
-        native = plan is not None and self.native and self._native_runs(rotary)
+        if plan is not None and self.native and self.stack is not None and self._native_runs(rotary):
+            hidden, residual = self._compiled_layers(hidden, rotary, cache, plan, tokens)
+        else:
+            hidden, residual = self._layers(hidden, rotary, cache, plan, masks, layout, tokens)
+        if keep is not None:
+            hidden, residual = hidden[keep], residual[keep]
+        return self._add_norm(hidden, residual, self.norm)[1]
+
+    def _compiled_layers(
+        self,
+        hidden: torch.Tensor,
+        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        cache: RaggedKVCache,
+        plan: _Plan,
+        tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer in one compiled call: the residual stream (``hidden``, added to in place) and
+        the last layer's MLP output, which the final norm adds."""
+        kinds = _stack_kinds(self.layers)
+        residual = self.stack.forward(
+            hidden,
+            [rotary[kind][0][0] for kind in kinds],
+            [rotary[kind][1][0] for kind in kinds],
+            [layer_cache.keys for layer_cache in cache.layers],
+            [layer_cache.values for layer_cache in cache.layers],
+            plan.position,
+            [plan.visible[kind] for kind in kinds],
+            plan.token_tree,
+            plan.token_offset,
+            plan.token_row,
+            [flag for layer in self.layers for flag in layer.compiled_at(tokens)],
+        )
+        return hidden, residual
+
+    def _layers(
+        self,
+        hidden: torch.Tensor,
+        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        cache: RaggedKVCache,
+        plan: _Plan | None,
+        masks: dict[str, torch.Tensor],
+        layout: PackedLayout | None,
+        tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers op by op (the same ops as the compiled ones where ``plan`` is given); returns
+        what :meth:`_compiled_layers` does."""
         residual = None  # what the previous block adds to ``hidden``, added together with the next norm
         for index, layer in enumerate(self.layers):
             layer_cache = cache.layers[index]
-            if native and layer.native is not None:
-                cos, sin = rotary[layer.kind]
-                residual = layer.native.forward(
-                    hidden,
-                    residual,
-                    cos[0],
-                    sin[0],
-                    layer_cache.keys,
-                    layer_cache.values,
-                    plan.position,
-                    plan.visible[layer.kind],
-                    plan.token_tree,
-                    plan.token_offset,
-                    plan.token_row,
-                    layer.compiled_at(tokens),
-                )
-                continue
             hidden, normed = self._add_norm(hidden, residual, layer.input_norm)
             qkv = layer.qkv(normed)
             query_key = self._query_key(layer, qkv, tokens)
@@ -306,9 +344,7 @@ class FastDecoder:
             hidden, normed = self._add_norm(hidden, attended, layer.mlp_input_norm)
             mlp = layer.down(self._gated(layer.activation, *layer.gate_up.split(layer.gate_up(normed))))
             residual = mlp if layer.mlp_output_norm is None else layer.mlp_output_norm(mlp)
-        if keep is not None:
-            hidden, residual = hidden[keep], residual[keep]
-        return self._add_norm(hidden, residual, self.norm)[1]
+        return hidden, residual
 
     def _plan(
         self, cache: RaggedKVCache, widths: list[int], masks: dict[str, torch.Tensor], hidden: torch.Tensor
@@ -583,6 +619,22 @@ def _native_layer(layer: _Layer) -> torch.ScriptObject | None:
         intermediate,
         layer.attention.scaling,
     )
+
+
+def _stack_kinds(layers: list[_Layer]) -> list[str]:
+    """The layers' attention kinds in the order a ``DecoderStack`` numbers them."""
+    return sorted({layer.kind for layer in layers})
+
+
+def _native_stack(layers: list[_Layer]) -> torch.ScriptObject | None:
+    """All layers as one compiled ``DecoderStack`` where every layer has a compiled form; else None."""
+    if not layers or any(layer.native is None for layer in layers):
+        return None
+    kinds = _stack_kinds(layers)
+    stack = torch.classes.reader_spec.DecoderStack()
+    for layer in layers:
+        stack.add(layer.native, kinds.index(layer.kind))
+    return stack
 
 
 def _kinds(config) -> list[str]:
