@@ -29,23 +29,26 @@ using reader_spec::load;
 using reader_spec::Vec16;
 
 constexpr int64_t kBlock = 32;
-#ifdef __AVX512F__
-// How far ahead in a block a tile of R > 1 rows requests its weights (AVX-512 hosts, where it was
-// measured): about the memory's latency ahead, so further for more rows, which spend longer on each k.
-// One row requests nothing: it reads its block in order and the hardware's stream prefetcher keeps
-// up. On AVX2 (an AMD EPYC, Zen 3) no tile requests its own block: the stream prefetcher alone made
-// products of 2-16 rows 2-19% faster (docs/runner.md).
+// How far ahead in a block a tile of R rows requests its weights: about the memory's latency ahead, so
+// further for more rows, which spend longer on each k (2 rows: 24 k of float32, 12 rows: 96 k). One row
+// of float32 requests nothing: it reads its block in order faster than anything else and the
+// hardware's stream prefetcher keeps up (requesting as well made 1-row products 4-11% slower on an
+// AMD EPYC, Zen 3).
 template <int R>
 constexpr int64_t kPrefetchBytes = std::max<int64_t>(3072, 1024 * R);
-#endif
 #ifdef __AVX512F__
 constexpr int kMaxRows = 12;  // 24 accumulators + 2 weight vectors of the 32 zmm registers
 #else
-// AVX2 (16 ymm registers, each Vec16 two of them): a whole block holds 3 rows of sums (12 registers,
-// the weights taken from L1 by each multiply-add). A tile of 6 rows over one half of the block at a
-// time holds more sums per weight loaded, but it reads the block from memory as every other cache
-// line, and from memory 3 + 3 whole-block tiles were 10-15% faster at 5-6 rows (docs/runner.md).
-constexpr int kMaxRows = 3;
+// AVX2 (16 ymm registers, each Vec16 two of them): a whole block holds 3 rows of sums (12 registers
+// and the weights, reloaded for every row); from kHalfBlockRows rows on, a tile takes one half of the
+// block at a time (half_block_tile), up to 6 rows of 16 sums, each weight loaded once for all rows.
+constexpr int kMaxRows = 6;
+constexpr int kHalfBlockRows = 4;
+// Up to this many rows a product is bound by reading its matrix more than by its arithmetic: there
+// whole-block tiles of at most 3 rows, the first reading the block from memory in order, beat a
+// half-block tile, which reads it as every other cache line (a Zen 3 host, the default model's layer
+// products: 5-7 rows 5-11% faster, 8 rows level, 9-12 rows 4-19% slower; docs/runner.md).
+constexpr int kStreamRows = 7;
 #endif
 
 // The share of the next block a tile brings into the caches while it multiplies this one from L2: the bytes
@@ -68,12 +71,11 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const flo
   for (int64_t k = 0; k < k_size; ++k) {
     if (next.bytes != nullptr) __builtin_prefetch(next.bytes + ((k * next.step) >> 16));
     const float* w_k = w + k * kBlock;
-#ifdef __AVX512F__
-    if constexpr (R > 1) {
-      __builtin_prefetch(reinterpret_cast<const char*>(w_k) + kPrefetchBytes<R>);
-      __builtin_prefetch(reinterpret_cast<const char*>(w_k) + kPrefetchBytes<R> + 64);
+    if constexpr (R > 1) {  // see kPrefetchBytes
+      const char* bytes = reinterpret_cast<const char*>(w_k);
+      __builtin_prefetch(bytes + kPrefetchBytes<R>);
+      __builtin_prefetch(bytes + kPrefetchBytes<R> + 64);
     }
-#endif
     const Vec16 low = load(w_k), high = load(w_k + 16);  // columns 0..15 and 16..31
     for (int r = 0; r < R; ++r) {
       const float value = x[r * ldx + k];
@@ -92,6 +94,60 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const flo
   }
 }
 
+#if !defined(__AVX512F__) && defined(__AVX__)
+// R rows times one float32 block, 16 columns at a time: per k two weight vectors, R broadcasts and 2R
+// multiply-adds (12 sums + 2 weights + 1 broadcast of the 16 registers at 6 rows). Each column's sum
+// is the same sequence of operations as in `tile`.
+template <int R>
+void half_block_tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y,
+                     int64_t ldy, int64_t columns, const NextBlock& next) {
+  using reader_spec::FloatPart;
+  constexpr int kHalf = kBlock / 2, kPart = kHalf / 2;
+  constexpr int64_t kChunk = 64;  // k per turn of the two halves: 8 KB of the block, read again from L1
+  const int halves = columns > kHalf ? 2 : 1;
+  FloatPart saved[2][R][2];
+  for (int half = 0; half < 2; ++half) {
+    for (int r = 0; r < R; ++r) saved[half][r][0] = saved[half][r][1] = FloatPart{};
+  }
+  for (int64_t chunk = 0; chunk < k_size; chunk += kChunk) {
+    const int64_t chunk_end = std::min(k_size, chunk + kChunk);
+    for (int half = 0; half < halves; ++half) {
+      FloatPart sums[R][2];
+      std::memcpy(sums, saved[half], sizeof(sums));
+      for (int64_t k = chunk; k < chunk_end; ++k) {
+        const float* w_k = w + half * kHalf + k * kBlock;
+        if (half == 0) {  // the first half reads the chunk from memory, the second from L1
+          if (next.bytes != nullptr) __builtin_prefetch(next.bytes + ((k * next.step) >> 16));
+          __builtin_prefetch(reinterpret_cast<const char*>(w_k) + kPrefetchBytes<R>);
+          __builtin_prefetch(reinterpret_cast<const char*>(w_k) + kPrefetchBytes<R> + 64);
+        }
+        FloatPart low, high;
+        std::memcpy(&low, w_k, sizeof(low));
+        std::memcpy(&high, w_k + kPart, sizeof(high));
+        for (int r = 0; r < R; ++r) {
+          const float value = x[r * ldx + k];
+          sums[r][0] += value * low;
+          sums[r][1] += value * high;
+        }
+      }
+      std::memcpy(saved[half], sums, sizeof(sums));
+    }
+  }
+  for (int half = 0; half < halves; ++half) {
+    const int64_t count = std::min<int64_t>(kHalf, columns - half * kHalf);
+    for (int r = 0; r < R; ++r) {
+      float out[kHalf];
+      std::memcpy(out, &saved[half][r][0], sizeof(FloatPart));
+      std::memcpy(out + kPart, &saved[half][r][1], sizeof(FloatPart));
+      if (bias != nullptr) {
+        for (int64_t c = 0; c < count; ++c) out[c] += bias[half * kHalf + c];  // after the sum, as in `tile`
+      }
+      std::memcpy(y + r * ldy + half * kHalf, out, count * sizeof(float));
+    }
+  }
+}
+#endif
+
 // `rows` (at most kMaxRows) rows times one block, through the tile that holds exactly that many rows.
 template <int R = kMaxRows>
 void rows_tile(int rows, const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y,
@@ -99,22 +155,34 @@ void rows_tile(int rows, const float* x, int64_t ldx, const float* w, int64_t k_
   if constexpr (R > 1) {
     if (rows < R) return rows_tile<R - 1>(rows, x, ldx, w, k_size, bias, y, ldy, columns, next);
   }
+#if !defined(__AVX512F__) && defined(__AVX__)
+  if constexpr (R >= kHalfBlockRows) return half_block_tile<R>(x, ldx, w, k_size, bias, y, ldy, columns, next);
+#endif
   tile<R>(x, ldx, w, k_size, bias, y, ldy, columns, next);
 }
 
 // How `rows` rows are cut into tiles, each at most kMaxRows. AVX-512: equal tiles (16 rows: two of 8,
-// not 12 and 4). AVX2: tiles of 3 and the rest, where the rest would be one row the last two 2 + 2: a
-// tile of one row waits on the latency of its 4 multiply-add chains, two tiles of 2 keep 8 in flight.
+// not 12 and 4). AVX2: up to kStreamRows rows, whole-block tiles of 3 and the rest; beyond, tiles of 6
+// (the most the registers hold) and the rest. There a tile of 1 to 4 rows waits on the latency of its
+// multiply-adds, not their rate (2 rows take about half as long as 6, 4 rows as long as 5), so a last
+// tile of 1 row goes with the one before as 2 + 2 (4 rows: not 3 + 1), and where a 6-row tile would
+// leave 1 or 4, the last two are 5 + 2 or 5 + 5.
 std::vector<int> tile_sizes(int64_t rows) {
   std::vector<int> sizes;
 #ifdef __AVX512F__
   const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows;
   for (int64_t t = 0; t < tiles; ++t) sizes.push_back(static_cast<int>((t + 1) * rows / tiles - t * rows / tiles));
 #else
-  for (; rows > 0; rows -= sizes.back()) sizes.push_back(static_cast<int>(std::min<int64_t>(rows, kMaxRows)));
-  if (sizes.size() >= 2 && sizes.back() == 1) {
+  const int largest = rows <= kStreamRows ? kHalfBlockRows - 1 : kMaxRows;
+  for (; rows > 0; rows -= sizes.back()) sizes.push_back(static_cast<int>(std::min<int64_t>(rows, largest)));
+  if (sizes.size() >= 2 && sizes.back() == 1 && largest < kMaxRows) {
     sizes[sizes.size() - 2] = 2;
     sizes.back() = 2;
+  }
+  if (sizes.size() >= 2 && sizes[sizes.size() - 2] == kMaxRows && (sizes.back() == 1 || sizes.back() == 4)) {
+    const int last_two = kMaxRows + sizes.back();
+    sizes[sizes.size() - 2] = 5;
+    sizes.back() = last_two - 5;
   }
 #endif
   return sizes;
@@ -150,7 +218,7 @@ void product(const float* x_data, int64_t rows, const float* w_data, int64_t k_s
       const int64_t share_tiles = last_tile - first_tile;
       for (int64_t b = begin; b < end; ++b) {
         for (int64_t t = first_tile; t < last_tile; ++t) {
-          // One tile reads its block from memory itself; several share the
+          // One tile reads its block from memory itself (prefetching a few k ahead); several share the
           // fetching of this thread's next block.
           NextBlock next;
           if (share_tiles > 1 && b + 1 < end) {
