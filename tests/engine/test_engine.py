@@ -17,6 +17,7 @@ from reader_spec.drafters import ReaderDrafter
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.engine.loop import Engine
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal, chain_proposal
+from reader_spec.engine.weights import ROW_BUCKETS
 from tests.conftest import make_tiny_llama
 
 FLAT_COSTS = CostModel(measure=lambda batch, drafted, context: dict.fromkeys(drafted, 1.0))
@@ -567,3 +568,18 @@ def test_a_warm_up_leaves_no_kernel_choice_to_a_running_step(tiny, prompts, monk
     timed.clear()
     engine.generate(prompts, NO_EOS, batch_size=2)
     assert not timed
+
+
+def test_a_warm_up_without_the_compiled_ops_times_none_of_them(tiny, prompts, monkeypatch):
+    """A decoder whose passes never run the compiled ops (a GPU's; here bfloat16 on a CPU takes the
+    same path) warms up without calling one: the compiled attention is CPU code."""
+    from reader_spec.engine import decoder
+
+    def compiled_attention(*args):
+        raise AssertionError("the compiled attention was timed for a decoder that never runs it")
+
+    monkeypatch.setattr(decoder, "compiled_attention_wins", compiled_attention)
+    loaded = replace(tiny, model=make_tiny_llama().to(torch.bfloat16))
+    engine = Engine(loaded, ReaderDrafter(), budget=8, costs=FLAT_COSTS)
+    engine.warm_up(2, prompt_tokens=ROW_BUCKETS[-1])  # as the bench warms up: past the compiled layers' rows
+    engine.generate(prompts[:2], NO_EOS, batch_size=2)

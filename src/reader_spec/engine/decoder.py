@@ -374,7 +374,8 @@ class FastDecoder:
                 layer.compiled_at(rows)
             if self.greedy_head is not None:
                 self.greedy_head.wins(rows)
-            self._runs_compiled(rows)
+            if self.fused:
+                self._runs_compiled(rows)
 
     def _runs_compiled(self, tokens: int) -> bool:
         """Whether a pass of ``tokens`` tokens runs the compiled attention (and whole layers)."""
