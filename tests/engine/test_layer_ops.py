@@ -215,3 +215,14 @@ def test_attention_refuses_tokens_outside_its_operands(ops):
         ops.attention(
             query[:, :3].contiguous(), keys, values, visible, token_tree, token_offset, token_row, 0.25, 0.0
         )
+
+
+def test_the_attention_choice_is_timed_on_the_cpu_whatever_the_default_device(ops, monkeypatch):
+    """The compiled attention is CPU code: the timing that chooses it makes its inputs on the CPU even
+    where torch's default device is another (a GPU's in ``READER_TEST_DEVICE=cuda`` runs; ``meta``
+    here, on which the compiled op cannot run either)."""
+    from reader_spec.engine import decoder
+
+    monkeypatch.setattr(decoder, "_ATTENTION_CHOICES", {})
+    with torch.device("meta"):
+        assert decoder.compiled_attention_wins(4, 2, 8, 16) in (True, False)

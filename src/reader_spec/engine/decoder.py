@@ -544,12 +544,14 @@ def compiled_attention_wins(heads: int, kv_heads: int, head_dim: int, tokens: in
 
 def _time_attention(heads: int, kv_heads: int, head_dim: int, tokens: int) -> bool:
     """Both kernels on one causal prompt, as each path calls them (inputs from a private generator:
-    the first pass of a process must not move the caller's random state)."""
-    generator = torch.Generator().manual_seed(0)
-    query = torch.randn(tokens, heads, head_dim, generator=generator)
-    keys, values = torch.randn(2, 1, kv_heads, tokens, head_dim, generator=generator)
-    causal = torch.ones(1, tokens, tokens, dtype=torch.bool).tril_()
-    zeros, offsets = torch.zeros(tokens, dtype=torch.long), torch.arange(tokens)
+    the first pass of a process must not move the caller's random state). The compiled attention is
+    CPU code: the inputs are made on the CPU whatever torch's default device is."""
+    cpu = torch.device("cpu")
+    generator = torch.Generator(cpu).manual_seed(0)
+    query = torch.randn(tokens, heads, head_dim, generator=generator, device=cpu)
+    keys, values = torch.randn(2, 1, kv_heads, tokens, head_dim, generator=generator, device=cpu)
+    causal = torch.ones(1, tokens, tokens, dtype=torch.bool, device=cpu).tril_()
+    zeros, offsets = torch.zeros(tokens, dtype=torch.long, device=cpu), torch.arange(tokens, device=cpu)
     mask = additive({"causal": causal[:, None]}, query.dtype)["causal"]
     group, scaling = heads // kv_heads, head_dim**-0.5
 
