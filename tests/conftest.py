@@ -31,7 +31,11 @@ def make_tiny_tokenizer(vocab_size: int = TINY_VOCAB) -> PreTrainedTokenizerFast
     return tokenizer
 
 
-def make_tiny_llama(vocab_size: int = TINY_VOCAB, seed: int = 0):
+def make_tiny_llama(vocab_size: int = TINY_VOCAB, seed: int = 0, device: str | torch.device | None = None):
+    """A random tiny Llama, on ``device`` (default: the current default device). Its weights are drawn
+    on the CPU whatever the device, so that they are the same everywhere: tests that rely on what this
+    model happens to generate (drafts a datastore accepts, outputs that int8 weights change) see on a
+    GPU what they see on a CPU."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -43,7 +47,18 @@ def make_tiny_llama(vocab_size: int = TINY_VOCAB, seed: int = 0):
         eos_token_id=1,
         bos_token_id=0,
     )
-    return AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config)
+    return model.to(device or torch.get_default_device()).eval().requires_grad_(False)
+
+
+@pytest.fixture
+def on_cpu():
+    """For a test of CPU-only machinery (the compiled kernels, blocked weights, the greedy head, kernel
+    timing): its models and tensors are built on the CPU whatever ``READER_TEST_DEVICE`` says, so it
+    checks the same thing on every machine."""
+    with torch.device("cpu"):
+        yield
 
 
 @pytest.fixture(scope="session")

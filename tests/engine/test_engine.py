@@ -555,9 +555,10 @@ def _fresh_kernel_choices(monkeypatch, loaded):
     return replace(loaded, model=make_tiny_llama()), timed
 
 
-def test_a_warm_up_leaves_no_kernel_choice_to_a_running_step(tiny, prompts, monkeypatch):
+def test_a_warm_up_leaves_no_kernel_choice_to_a_running_step(tiny, prompts, monkeypatch, on_cpu):
     """Kernel choices are timed when a pass first needs them (0.2-1 s each on the default model): a
-    warm-up makes them all for the steps it was told of, so no timed step pays for one."""
+    warm-up makes them all for the steps it was told of, so no timed step pays for one. The choices
+    are the CPU's (blocked products, the greedy head, the compiled attention): the model is built there."""
     loaded, timed = _fresh_kernel_choices(monkeypatch, tiny)
     cold = Engine(loaded, ReaderDrafter(), budget=8, costs=FLAT_COSTS)
     cold.generate(prompts[:2], NO_EOS, batch_size=2)

@@ -23,6 +23,7 @@ import reader_spec.engine.runner as runner_module
 from reader_spec.engine.attention import PACKED_EAGER, PACKED_SDPA
 from reader_spec.engine.runner import ModelRunner, sliding_window_of
 from reader_spec.engine.tree import DraftTree
+from tests.conftest import TEST_DEVICE
 
 VOCAB = 64
 SMALL = dict(
@@ -75,15 +76,24 @@ class Case:
     params=[(f, r) for f in sorted(CONFIGS) for r in RUNNERS if (f, r) not in UNSUPPORTED],
     ids=lambda p: "-".join(p),
 )
-def model(request):
+def case(request):
     family, runner = request.param
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
+    # The compiled ops run on a CPU only (float32): that case is built there whatever the test device.
+    with torch.device("cpu" if runner == "fast" else TEST_DEVICE):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
     default = "eager" if family in EAGER_ONLY else "sdpa"
     model.set_attn_implementation(
         default if runner in ("one by one", "fast", "fast, pytorch ops") else runner
     )
     return Case(model, copy.deepcopy(model), runner)
+
+
+@pytest.fixture
+def model(case):
+    """The case, with the tensors a test and the runner build on the case's device."""
+    with torch.device(case.model.device):
+        yield case
 
 
 def make_runner(case: Case, num_rows: int, capacity: int) -> ModelRunner:
@@ -191,16 +201,24 @@ def test_greedy_rows_get_the_argmax_of_their_logits_beside_rows_that_get_logits(
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in (9, 14, 6, 11)]
     runner = make_runner(model, num_rows=4, capacity=32)
-    if runner.decoder is not None:  # soft-capped logits (Gemma 2) keep the argmax of the whole layer
-        assert (runner.decoder.greedy_head is None) == (model.model.config.model_type == "gemma2")
+    cpu = model.model.device.type == "cpu"
+    if runner.decoder is not None:  # soft-capped logits (Gemma 2) keep the argmax of the whole layer;
+        # the greedy head reads the CPU's blocked float32 layout: elsewhere the whole layer runs
+        expected = cpu and model.model.config.model_type != "gemma2"
+        assert (runner.decoder.greedy_head is not None) == expected
     for row, prompt in enumerate(prompts):
         runner.prefill(row, prompt[:-3])
     trees = [random_tree_on_path(p[-3:], rng)[0] for p in prompts]
     logits = runner.verify(trees, range(4))
     mixed = runner.verify(trees, range(4), [True, False, True, True])
-    for row in (0, 2, 3):
-        assert mixed[row].dtype == torch.long and torch.equal(mixed[row], logits[row].argmax(-1))
-    assert torch.equal(mixed[1], logits[1])
+    for row in (0, 2, 3):  # compared on the host: where the tokens are returned is the runner's choice
+        assert mixed[row].dtype == torch.long and torch.equal(mixed[row].cpu(), logits[row].argmax(-1).cpu())
+    if cpu or runner.decoder is None:  # transformers' forward gives every row's logits either way; the
+        # fast decoder's output layer runs once per kind of row, and on a CPU a row's product does not
+        # depend on the other rows of the call
+        assert torch.equal(mixed[1], logits[1])
+    else:  # a GPU's matrix product may pick another kernel for fewer rows: an ulp or so apart
+        assert mixed[1].shape == logits[1].shape and (mixed[1] - logits[1]).abs().max() < TOL
 
 
 def test_a_freed_row_serves_the_next_sequence_and_no_other_row_moves(model):
@@ -266,7 +284,7 @@ def test_steps_write_in_place_without_reallocating(model):
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_an_int8_copy_of_a_packed_model_verifies_close_to_float32(family):
+def test_an_int8_copy_of_a_packed_model_verifies_close_to_float32(family, on_cpu):
     """A draft model: a copy of a model the fast runner packed (float32), packed again as int8 (fused,
     tied and soft-capped families alike). Its tree logits are close to the float32 model's and to its
     own transformers forward's (within 1e-4, not 1e-5: int8 products round each input row to
@@ -330,7 +348,7 @@ class _CountingStack:
 
 @pytest.mark.parametrize("weights", ["float32", "int8"])
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_whole_compiled_layers_compute_the_bits_of_the_layer_by_layer_path(family, weights):
+def test_whole_compiled_layers_compute_the_bits_of_the_layer_by_layer_path(family, weights, on_cpu):
     """Prefill, ragged batches of trees and commits, through whole compiled layers and through the
     ops one by one: the same logits, bit for bit (so either may run any pass of a request)."""
     import numpy as np
