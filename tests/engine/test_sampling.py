@@ -40,7 +40,7 @@ def reference_log_probs(logits: torch.Tensor, config: GenerationConfig, context:
         processors.append(TopPLogitsWarper(config.top_p))
     if config.min_p:
         processors.append(MinPLogitsWarper(config.min_p))
-    ids = torch.tensor([context])
+    ids = torch.tensor([context], device=logits.device)
     scores = logits[None].clone()
     for processor in processors:
         scores = processor(ids, scores)
@@ -48,10 +48,10 @@ def reference_log_probs(logits: torch.Tensor, config: GenerationConfig, context:
 
 
 def support_log_probs(logits, config, context, vocab) -> torch.Tensor:
-    seen = torch.zeros(vocab, dtype=torch.bool)
+    seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)  # as the sampling rule builds it
     seen[context] = True
     tokens, scores = support(logits, config, seen)
-    out = torch.full((vocab,), -math.inf)
+    out = torch.full((vocab,), -math.inf, device=logits.device)
     out[tokens] = torch.log_softmax(scores, dim=0)
     return out
 
