@@ -15,6 +15,8 @@ attention code unchanged; the engine supplies the 4D mask that hides other rows'
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -153,23 +155,35 @@ class RaggedKVCache(Cache):
         self.num_rows = num_rows
 
     # --- after verification ----------------------------------------------------------------------
-    @torch.inference_mode()
     def commit(self, row: int, accepted: list[int]) -> None:
-        """Keep the written entries at window offsets ``accepted`` (ascending) for ``row``.
+        """:meth:`commit_rows` for one row."""
+        self.commit_rows([row], [accepted])
 
-        Entry ``accepted[i]`` moves to offset ``i``; the row's length grows by ``len(accepted)``.
-        Only the moved entries are touched.
-        """
-        start = int(self.lengths[row])
-        moved = [(i, a) for i, a in enumerate(accepted) if i != a]
-        if moved:
-            dst = torch.tensor([start + i for i, _ in moved], device=self.device)
-            src = torch.tensor([start + a for _, a in moved], device=self.device)
+    @torch.inference_mode()
+    def commit_rows(self, rows: Sequence[int], accepted: Sequence[list[int]]) -> None:
+        """Keep, for each of ``rows`` (distinct), the written entries at window offsets ``accepted[i]``
+        (ascending): entry ``accepted[i][j]`` moves to offset ``j`` and the row grows by
+        ``len(accepted[i])``. Only the moved entries are touched, in two indexed copies per layer for
+        the whole batch: per-row copies cost 60 small operations per row on a 30-layer model, which on
+        a GPU are 60 kernel launches each."""
+        rows = list(rows)
+        starts = self.lengths[rows].tolist()
+        moved_rows, destinations, sources = [], [], []
+        for row, start, kept in zip(rows, starts, accepted, strict=True):
+            for offset, entry in enumerate(kept):
+                if offset != entry:
+                    moved_rows.append(row)
+                    destinations.append(start + offset)
+                    sources.append(start + entry)
+        if moved_rows:
+            row_index, dst, src = (
+                torch.tensor(t, device=self.device) for t in (moved_rows, destinations, sources)
+            )
             for layer in self.layers:
                 if layer.keys is not None:
-                    layer.keys[row, :, dst] = layer.keys[row, :, src]
-                    layer.values[row, :, dst] = layer.values[row, :, src]
-        self.lengths[row] = start + len(accepted)
+                    layer.keys[row_index, :, dst] = layer.keys[row_index, :, src]
+                    layer.values[row_index, :, dst] = layer.values[row_index, :, src]
+        self.lengths[rows] += torch.tensor([len(kept) for kept in accepted])
 
     @torch.inference_mode()
     def copy_row(self, src: int, dst: int) -> None:

@@ -282,13 +282,16 @@ class Engine:
         self._synchronize()
         verify_seconds = time.perf_counter() - started
         expected = accepted = 0
+        paths = []
         for seq, proposal, tree, node_scores in zip(
             batch, drafts.proposals, drafts.trees, scores, strict=True
         ):
-            accepted += self._accept(runner, seq, proposal, tree, node_scores)
+            paths.append(self._accept(seq, proposal, tree, node_scores))
+            accepted += len(paths[-1]) - 1
             expected += sum(proposal.probs)
             seq.stats.draft_seconds += drafts.seconds
             seq.stats.verify_seconds += verify_seconds
+        runner.cache.commit_rows([s.row for s in batch], paths)
         self.realized.record(expected, accepted)
         if drafts.predicted is not None:
             self.realized_cost.record(any(drafts.proposals), drafts.predicted, verify_seconds)
@@ -323,20 +326,17 @@ class Engine:
         proposals = [p.truncated(n) for p, n in zip(proposals, counts, strict=True)]
         return proposals, curve[sum(counts)], seconds_saved(proposals, counts, seconds, factor)
 
-    def _accept(
-        self, runner: ModelRunner, seq: DecodingSequence, proposal: Proposal, tree: DraftTree, scores
-    ) -> int:
-        """Walk the tree with the request's acceptance rule, keep what the limits allow, commit it;
-        returns how many draft nodes the rule accepted."""
+    def _accept(self, seq: DecodingSequence, proposal: Proposal, tree: DraftTree, scores) -> list[int]:
+        """Walk the tree with the request's acceptance rule and keep what the limits allow; returns the
+        accepted path (tree nodes, root first), whose cache entries the step then commits."""
         path, bonus = seq.rule.select(tree, scores, seq.tokens)
         emitted = [tree.tokens[node] for node in path[1:]] + [bonus]
         kept, seq.finish_reason = seq.stop.clip(seq.generated, emitted)
-        runner.cache.commit(seq.row, path)
         seq.tokens.extend(kept)
         seq.stats.record_step(proposal, len(kept), [node - 1 for node in path[1 : 1 + len(kept)]])
         if self.drafter is not None:
             feed_back(self.drafter, seq.key, proposal, path, kept)
-        return len(path) - 1
+        return path
 
     # --- requests joining and leaving ------------------------------------------------------------
     def _admit(self, runner: ModelRunner, row: int, request: Request) -> DecodingSequence:

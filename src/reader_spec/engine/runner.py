@@ -184,8 +184,10 @@ class ModelRunner:
         for flag, head in heads.items():
             chosen = [i for i, wanted in enumerate(greedy) if wanted == flag]
             if chosen:
-                results = head(torch.cat([parts[i] for i in chosen])).split([kept[i] for i in chosen])
-                outputs.update(zip(chosen, results, strict=True))
+                results = head(torch.cat([parts[i] for i in chosen]))
+                if flag:  # tokens go to the host, where acceptance walks them: one copy for all rows
+                    results = results.cpu()
+                outputs.update(zip(chosen, results.split([kept[i] for i in chosen]), strict=True))
         return [outputs[i] for i in range(len(parts))]
 
     @torch.inference_mode()
