@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     baseline, baseline_seconds = None, None
     if args.compare:
         plain = Engine(loaded, runner=args.runner)
+        plain.warm_up(args.batch_size)  # as the speculative engine was: neither run pays a first pass
         baseline, baseline_seconds = _timed_run(plain, prompts, ids, config, args.batch_size, "plain")
 
     summary = _summary(outputs, seconds, baseline, baseline_seconds)
