@@ -151,6 +151,32 @@ def test_calibrate_prints_the_measured_curves(capsys, tiny_llama_dir):
     assert widths == [str(n) for n in range(1, 33)]  # every width up to 32, whatever the budget
 
 
+def test_calibrate_again_measures_cached_curves_anew(capsys, tiny_llama_dir, caplog):
+    """A cached curve is read, not measured; ``--again`` measures it anew and overwrites the cache."""
+    import json
+    import logging
+
+    from reader_spec.budget.costs import PROBE_CONTEXT
+
+    argv = ["calibrate", "--model", str(tiny_llama_dir), "--budget", "2"]
+    path = run(capsys, *argv)[1].splitlines()[0].split("cached in ")[1]
+    with open(path) as f:
+        measured = json.load(f)
+    stale = {context: {b: dict.fromkeys(curve, 9.0) for b, curve in by_batch.items()}
+             for context, by_batch in measured.items()}  # fmt: skip
+    with open(path, "w") as f:
+        json.dump(stale, f)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="reader_spec"):
+        out = run(capsys, *argv)[1]
+        assert "measuring" not in caplog.text and "batch   1: 0: 9000.0" in out  # the cache is read
+        out = run(capsys, *argv, "--again")[1]
+    assert "measuring verification costs" in caplog.text
+    assert "9000.0" not in out
+    with open(path) as f:
+        assert json.load(f)[str(PROBE_CONTEXT)]["1"]["0"] != 9.0
+
+
 @pytest.fixture(scope="module")
 def tiny_gpt2_dir(tmp_path_factory):
     """An architecture the fast runner does not know."""

@@ -103,6 +103,12 @@ class CostModel:
             raise KeyError(f"no cost measured for batch size {batch}: calibrate for it first")
         return curve
 
+    def forget(self) -> None:
+        """Drop every curve, so that :meth:`calibrate` measures them again (and overwrites the cache):
+        for a calibration taken while other work held the machine, which prices every later run."""
+        self.samples.clear()
+        self._tables.clear()
+
     def missing(self, max_batch: int) -> list[tuple[int, int, list[int]]]:
         """(batch, context, draft counts) still to measure before any batch up to ``max_batch`` can be
         priced: the curves of every power of two up to the first at or above ``max_batch``."""

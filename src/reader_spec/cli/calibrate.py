@@ -35,6 +35,12 @@ def add_parser(commands) -> None:
         default=DEFAULT_BUDGET,
         help=f"most draft tokens per sequence and step the curves must reach ({DEFAULT_BUDGET})",
     )
+    calibrate.add_argument(
+        "--again",
+        action="store_true",
+        help="measure every curve again, cached or not (after a calibration that other work on the "
+        "machine slowed: its curves price every later run)",
+    )
     calibrate.set_defaults(handler=run)
 
 
@@ -43,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--batch-size and --budget must be positive")
     loaded = load_target(args)
     engine = Engine(loaded, ReaderDrafter(), budget=args.budget, runner=args.runner)
+    if args.again:
+        engine.costs.forget()
     engine.calibrate(args.batch_size)
     costs = engine.costs
     print(f"verification costs of {loaded.name} ({loaded.model.dtype}), cached in {costs.path}")
