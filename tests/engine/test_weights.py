@@ -260,8 +260,8 @@ def test_int8_on_other_dtypes_keeps_the_plain_layout():
 
 def test_an_unknown_weight_format_is_refused_before_anything_is_packed():
     module = linear(8, 4, bias=False, seed=0)
-    with pytest.raises(ValueError, match="weights must be one of float32, int8"):
-        pack_linears([module], weights="int4")
+    with pytest.raises(ValueError, match="weights must be one of float32, int8, int4"):
+        pack_linears([module], weights="int3")
     assert isinstance(module.weight, nn.Parameter)
 
 

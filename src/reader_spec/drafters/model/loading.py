@@ -10,7 +10,7 @@ from reader_spec.engine.runner import pack_weights
 from reader_spec.loading import LoadedModel, ModelLoadError, load_model
 
 SELF = "self"
-SELF_WEIGHTS = "int8"
+SELF_WEIGHTS = "int4"
 """The self-draft's weight format. Measured on the default model (``docs/model-drafter.md``): int8
 weights per output channel make float32's greedy choice 96.6% of the time at a quarter of the bytes;
 4-bit weights (70%) and the target's first layers with its output head (5-32%) draft far worse."""

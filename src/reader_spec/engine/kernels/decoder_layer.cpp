@@ -21,29 +21,43 @@ namespace {
 
 using reader_spec::CacheView;
 
-// One packed matrix: [blocks, in, 32] float32, or int8 in the integer product's layout ([blocks,
-// ceil(in / 4), 128] unsigned bytes) with one float32 scale per column.
+// One packed matrix: [blocks, in, 32] float32; int8 in the integer product's layout ([blocks,
+// ceil(in / 4), 128] unsigned bytes) with one float32 scale per column; or 4-bit in the nibble
+// product's ([blocks, in / 32, 512] bytes) with float16 scales and minimums per group of 32 k (their
+// bits in an int16 tensor).
 struct Linear : torch::CustomClassHolder {
   at::Tensor weight, scales, bias;
   int64_t in_features, out_features;
+  bool nibbles = false;
 
   Linear(at::Tensor weight, c10::optional<at::Tensor> scales, c10::optional<at::Tensor> bias, int64_t in_features,
          int64_t out_features)
       : weight(std::move(weight)), in_features(in_features), out_features(out_features) {
-    const bool int8 = this->weight.scalar_type() == at::kByte;
-    const int64_t depth = int8 ? (in_features + reader_spec::kIntegerGroup - 1) / reader_spec::kIntegerGroup
-                               : in_features;
-    const int64_t width = int8 ? 32 * reader_spec::kIntegerGroup : 32;
+    const bool quantized = this->weight.scalar_type() == at::kByte;
+    TORCH_CHECK(quantized == (scales.has_value() && scales->defined()),
+                "Linear: int8 and 4-bit weights need scales, float32 none");
+    nibbles = quantized && scales->scalar_type() == at::kShort;  // float16 bits
+    int64_t depth = in_features, width = 32;
+    if (nibbles) {
+      TORCH_CHECK(in_features % reader_spec::kNibbleGroup == 0, "Linear: 4-bit weights need in % 32 == 0");
+      depth = in_features / reader_spec::kNibbleGroup;
+      width = 16 * reader_spec::kNibbleGroup;
+    } else if (quantized) {
+      depth = (in_features + reader_spec::kIntegerGroup - 1) / reader_spec::kIntegerGroup;
+      width = 32 * reader_spec::kIntegerGroup;
+    }
     TORCH_CHECK(this->weight.device().is_cpu() && this->weight.dim() == 3 && this->weight.size(1) == depth &&
                     this->weight.size(2) == width && this->weight.is_contiguous(),
-                "Linear: the weight must be a contiguous CPU [blocks, in, 32] (int8: [blocks, ceil(in / 4), 128])");
-    TORCH_CHECK(int8 || this->weight.scalar_type() == at::kFloat, "Linear: float32 or int8 weights");
-    TORCH_CHECK(int8 == (scales.has_value() && scales->defined()), "Linear: int8 weights need scales, float32 none");
+                "Linear: the weight must be a contiguous CPU [blocks, in, 32] (int8: [blocks, ceil(in / 4), 128], "
+                "4-bit: [blocks, in / 32, 512])");
+    TORCH_CHECK(quantized || this->weight.scalar_type() == at::kFloat, "Linear: float32, int8 or 4-bit weights");
     TORCH_CHECK(out_features <= this->weight.size(0) * 32, "Linear: out_features exceeds the blocks");
-    if (int8) {
+    if (quantized) {
       this->scales = scales->contiguous();
-      TORCH_CHECK(this->scales.scalar_type() == at::kFloat && this->scales.numel() >= this->weight.size(0) * 32,
-                  "Linear: one float32 scale per stored column");
+      const int64_t expected = nibbles ? this->weight.size(0) * depth * 64 : this->weight.size(0) * 32;
+      TORCH_CHECK((nibbles || this->scales.scalar_type() == at::kFloat) && this->scales.numel() >= expected,
+                  "Linear: one float32 scale per stored column (int8) or float16 scales and minimums per group "
+                  "(4-bit)");
     }
     if (bias.has_value() && bias->defined()) {
       this->bias = bias->contiguous();
@@ -57,9 +71,15 @@ struct Linear : torch::CustomClassHolder {
   void operator()(const float* x, int64_t rows, float* y, bool compiled) const {
     const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
     if (scales.defined()) {
-      TORCH_CHECK(compiled, "Linear: int8 weights run through the compiled kernel only");
-      reader_spec::integer_product(x, rows, weight.data_ptr<uint8_t>(), in_features, scales.data_ptr<float>(), b, y,
-                                   out_features, out_features, false);
+      TORCH_CHECK(compiled, "Linear: int8 and 4-bit weights run through the compiled kernels only");
+      if (nibbles) {
+        reader_spec::nibble_product(x, rows, weight.data_ptr<uint8_t>(),
+                                    reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()), in_features, b, y,
+                                    out_features);
+      } else {
+        reader_spec::integer_product(x, rows, weight.data_ptr<uint8_t>(), in_features, scales.data_ptr<float>(), b,
+                                     y, out_features, out_features, false);
+      }
     } else if (compiled) {
       reader_spec::blocked_product(x, rows, weight.data_ptr<float>(), in_features, b, y, out_features);
     } else {

@@ -189,6 +189,14 @@ std::vector<IntegerRow> integer_product(const float* x, int64_t rows, const uint
                                         const float* scales, const float* bias, float* y, int64_t ldy,
                                         int64_t columns, bool bounds);
 
+// 4-bit products (nibble_product.cpp): W[n][k] = d[n][g] q[n][k] + m[n][g] per group g of
+// kNibbleGroup k (q in 0..15, d and m float16), stored per block of 32 columns as that file says;
+// y = x @ W.T (+ bias) for `rows` rows, `columns` floats per row of y. k_size must be a multiple of
+// kNibbleGroup.
+constexpr int64_t kNibbleGroup = 32;
+void nibble_product(const float* x, int64_t rows, const uint8_t* weight, const uint16_t* scales, int64_t k_size,
+                    const float* bias, float* y, int64_t columns);
+
 // Row by row: hidden += delta (where delta is not null), normed = weight * hidden / rms(hidden).
 void add_rms_norm_rows(float* hidden, const float* delta, const float* weight, float epsilon, int64_t rows,
                        int64_t features, float* normed);
