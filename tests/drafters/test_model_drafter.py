@@ -15,8 +15,10 @@ from reader_spec.drafters import ReaderDrafter
 from reader_spec.drafters.fusion import FusedDrafter, merge_proposals, prune_branches, sub_feedback
 from reader_spec.drafters.model import ModelDrafter, load_draft_model
 from reader_spec.drafters.model.drafter import PassTimer
+from reader_spec.engine import kernels
 from reader_spec.engine.loop import Engine
 from reader_spec.engine.tree import DraftTree, Proposal, chain_proposal
+from reader_spec.engine.weights import dequantize_int4, quantize_int4
 from reader_spec.loading import LoadedModel, ModelLoadError
 from tests.conftest import make_tiny_llama, make_tiny_tokenizer
 from tests.engine.test_engine import FLAT_COSTS, NO_EOS, mixed_configs, random_prompts
@@ -134,6 +136,35 @@ def test_rasd_runs_the_draft_model_every_step_but_only_the_levels_that_pay(
         assert len(firsts) >= sum(o.stats.steps for o in outputs) / 3  # every step (3 requests a step)
         grown[name] = len(levels)
     assert grown["dear"] == 0 and grown["flat"] > 20
+
+
+@pytest.fixture(scope="module")
+def four_bit(tiny) -> LoadedModel:
+    """The tiny model with every matrix on a 4-bit grid, as a model read from a Q4_1 file has them."""
+    model = copy.deepcopy(tiny.model)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.copy_(dequantize_int4(*quantize_int4(module.weight)))
+    return replace(tiny, model=model, name="tiny-4-bit")
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_the_self_draft_of_a_4_bit_model_is_its_own_weights_in_int4_and_exact(
+    four_bit, prompts, batch_size, sampled
+):
+    draft = load_draft_model("self", four_bit)
+    decoder = draft.model._reader_fast_decoder
+    assert decoder.stack is not None or not kernels.available()  # the compiled layers run int4 too
+    linears = [decoder.lm_head, *(linear for layer in decoder.layers for linear in layer.linears)]
+    assert all(linear.weight_format == "int4" for linear in linears)
+    configs = mixed_configs(len(prompts)) if sampled else NO_EOS
+    plain = Engine(four_bit).generate(prompts, configs)
+    engine = Engine(four_bit, ModelDrafter(draft, max_depth=5), budget=8, costs=FLAT_COSTS)
+    outputs = engine.generate(prompts, configs, batch_size=batch_size)
+    assert [o.tokens for o in outputs] == [o.tokens for o in plain]
+    if not sampled:  # the draft is the target's own weights: it drafts what the target emits
+        assert sum(o.stats.new_tokens for o in outputs) / sum(o.stats.steps for o in outputs) > 2.5
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused(tiny, tiny_llama_dir):

@@ -39,8 +39,8 @@ def add_parser(commands) -> None:
     bench.add_argument(
         "--draft-model",
         metavar="self|MODEL",
-        help="draft model for model, reader-model, rasd and hf-assisted: self (the target's weights in int8) "
-        "or a hub id, directory or .gguf with the target's tokenizer; enables those methods",
+        help="draft model for model, reader-model, rasd and hf-assisted: self (the target's weights in 4 or "
+        "8 bits) or a hub id, directory or .gguf with the target's tokenizer; enables those methods",
     )
     bench.add_argument(
         "--suite", help="JSONL with question_id, category, turns (default: Spec-Bench, shipped)"

@@ -39,11 +39,12 @@ def add_model_option(parser: argparse.ArgumentParser, runner: bool = True) -> No
         )
         parser.add_argument(
             "--weights",
-            choices=["int8"],
+            choices=["int8", "int4"],
             help="int8: store the model's matrices in int8, one scale per output channel (a quarter of "
             "float32's bytes: passes about 2.5x faster on a CPU); output is the int8 model's, which makes "
-            "float32's greedy choice at about 97%% of tokens; speculation stays exact against its plain "
-            "decoding",
+            "float32's greedy choice at about 97%% of tokens; int4: 4 bits and a scale and minimum per 32 "
+            "inputs (GGUF's Q4_1) for each matrix that came from a 4-bit file (its own weights, exactly), "
+            "int8 for the others; speculation stays exact against the packed model's plain decoding",
         )
         parser.add_argument(
             "--runner",
@@ -122,7 +123,7 @@ def add_drafting_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--draft-model",
         metavar="self|MODEL",
-        help="a draft model sharing the target's tokenizer: self (the target's weights in int8, no "
+        help="a draft model sharing the target's tokenizer: self (the target's weights in 4 or 8 bits, no "
         "download; the default of --drafter model and rasd) or a hub id, directory or .gguf",
     )
     parser.add_argument("--datastore", metavar="DIR", help="corpus datastore built by `reader index build`")

@@ -211,7 +211,9 @@ class PackedLinear(nn.Module):
         q = octets.view(blocks, groups, NIBBLE_GROUP // 2, BLOCK, 2).permute(0, 3, 1, 2, 4)
         pairs = self.scales.view(torch.float16).view(blocks, groups, 2, BLOCK)
         scale, minimum = pairs.permute(0, 3, 1, 2).float().unbind(-1)
-        values = q.reshape(blocks, BLOCK, groups, NIBBLE_GROUP).float() * scale[..., None] + minimum[..., None]
+        values = (
+            q.reshape(blocks, BLOCK, groups, NIBBLE_GROUP).float() * scale[..., None] + minimum[..., None]
+        )
         return values.reshape(blocks * BLOCK, self.in_features)[: self.out_features]
 
     def _int4_rows(self, rows: torch.Tensor) -> torch.Tensor:
@@ -225,7 +227,10 @@ class PackedLinear(nn.Module):
             pairs_of_k = self.weight[rows // BLOCK].view(*rows.shape, groups, NIBBLE_GROUP // 2, 32)
             first = (column % 16 // 8 * 16 + column % 8 * 2)[..., None, None, None]
             byte = pairs_of_k.gather(
-                -1, (first + torch.arange(2, device=rows.device)).expand(*rows.shape, groups, NIBBLE_GROUP // 2, 2)
+                -1,
+                (first + torch.arange(2, device=rows.device)).expand(
+                    *rows.shape, groups, NIBBLE_GROUP // 2, 2
+                ),
             )
             shift = (column // 16 * 4).to(torch.uint8)[..., None, None, None]
             q = ((byte >> shift) & 15).view(*rows.shape, groups, NIBBLE_GROUP)
@@ -238,7 +243,7 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         layout = "blocked" if self.blocked else "plain"
-        stored = str(self.weight.dtype).removeprefix("torch.")
+        stored = str(self.weight.dtype).removeprefix("torch.") if self.scales is None else self.weight_format
         return f"in_features={self.in_features}, out_features={self.out_features}, {layout}, {stored}"
 
 
@@ -318,7 +323,9 @@ def pack_linears(
         if fused_scales is not None:  # int4's blocked scales go by block, int8's by column
             part_scales = fused_scales[rows] if weights == "int4" else fused_scales[start : start + room]
         views.append(
-            PackedLinear(fused[rows], part_bias, in_features, size, blocked, scales=part_scales, weight_format=weights)
+            PackedLinear(
+                fused[rows], part_bias, in_features, size, blocked, scales=part_scales, weight_format=weights
+            )
         )
     return whole, views
 
@@ -368,15 +375,21 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return q.view(out_features, in_features), scale, minimum
 
 
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[out, in]`` matrix of :func:`quantize_int4`'s parts."""
+    groups = (
+        q.view(*scale.shape, NIBBLE_GROUP).float() * scale.float()[..., None] + minimum.float()[..., None]
+    )
+    return groups.view(q.shape)
+
+
 def int4_fits(weight: torch.Tensor) -> bool:
     """Whether int4 stores this matrix at least as closely as int8 does (the largest error of either):
     true for weights read from a 4-bit file, false for matrices trained in float."""
     if weight.shape[1] % NIBBLE_GROUP:
         return False
     values = weight.float()
-    q, scale, minimum = quantize_int4(values)
-    groups = q.view(*scale.shape, NIBBLE_GROUP).float() * scale.float()[..., None] + minimum.float()[..., None]
-    int4_error = (groups.view_as(values) - values).abs().max()
+    int4_error = (dequantize_int4(*quantize_int4(values)) - values).abs().max()
     q8, scale8 = quantize_int8(values)
     int8_error = (q8.float() * scale8.float()[:, None] - values).abs().max()
     return bool(int4_error <= int8_error)
@@ -412,8 +425,8 @@ def to_nibbles(
         packed = arena.empty(packed.shape, packed.dtype).copy_(packed)
     pairs = torch.stack([scale, minimum]).to(torch.float16).view(torch.int16)  # [2, out, groups]
     pairs = nn.functional.pad(pairs, (0, 0, 0, rows - out_features))
-    scales = pairs.view(2, rows // BLOCK, BLOCK, groups).permute(1, 3, 0, 2).reshape(rows // BLOCK, groups, 64)
-    return packed.contiguous(), scales.contiguous()
+    scales = pairs.view(2, rows // BLOCK, BLOCK, groups).permute(1, 3, 0, 2)
+    return packed.contiguous(), scales.reshape(rows // BLOCK, groups, 64).contiguous()
 
 
 def _round_up(n: int) -> int:

@@ -1,8 +1,8 @@
 """The fast runner's compiled CPU kernels (``torch.ops.reader_spec``), built as :mod:`reader_spec.compiled`
 says: the matrix products of :mod:`reader_spec.engine.weights` (float32 in ``blocked_linear.cpp``, int8
-in ``integer_product.cpp``, 4-bit in ``nibble_product.cpp``), the output layer's greedy argmax (``greedy_head.cpp``), the small
-operators between the products and attention (``layer_ops.cpp``), and whole decoder layers of the
-Llama shape (``decoder_layer.cpp``).
+in ``integer_product.cpp``, 4-bit in ``nibble_product.cpp``), the output layer's greedy argmax
+(``greedy_head.cpp``), the small operators between the products and attention (``layer_ops.cpp``), and
+whole decoder layers of the Llama shape (``decoder_layer.cpp``).
 Where they cannot be built, the runner uses PyTorch's own operators.
 """
 
