@@ -1,11 +1,12 @@
-"""How often ``--weights int8`` writes what float32 writes: plain greedy decoding of Spec-Bench prompts
-with the model's own weights and with an int8 copy (``pack_weights``), compared output by output.
+"""How often ``--weights int8`` (or ``int4``) writes what float32 writes: plain greedy decoding of
+Spec-Bench prompts with the model's own weights and with a packed copy (``pack_weights``), compared
+output by output.
 
 Prints the share of identical outputs, the mean number of tokens before the first difference, and the
-share of positions where the int8 model, fed float32's output, makes float32's choice (teacher forcing:
-what a speculative verifier of float32 would accept from an int8 draft).
+share of positions where the packed model, fed float32's output, makes float32's choice (teacher
+forcing: what a speculative verifier of float32 would accept from such a draft).
 
-    .venv/bin/python scripts/weights_agreement.py [--limit 3] [--max-new-tokens 128] [--batch-size 8]
+    .venv/bin/python scripts/weights_agreement.py [--weights int8|int4] [--limit 3] [--max-new-tokens 128]
 """
 
 from __future__ import annotations
@@ -46,26 +47,27 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=3, help="questions per category (first turns)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--weights", choices=("int8", "int4"), default="int8")
     args = parser.parse_args()
 
     loaded = load_model()
-    int8 = replace(loaded, model=copy.deepcopy(loaded.model))
-    pack_weights(int8.model, "int8")
+    packed = replace(loaded, model=copy.deepcopy(loaded.model))
+    pack_weights(packed.model, args.weights)
     questions = per_category(load_questions(), args.limit)
     prompts = [encode_prompt(loaded.tokenizer, q.messages) for q in questions]
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     by_format = {
         name: [o.tokens for o in Engine(model).generate(prompts, config, batch_size=args.batch_size)]
-        for name, model in (("float32", loaded), ("int8", int8))
+        for name, model in (("float32", loaded), (args.weights, packed))
     }
-    reference, quantized = by_format["float32"], by_format["int8"]
+    reference, quantized = by_format["float32"], by_format[args.weights]
     identical = sum(a == b for a, b in zip(reference, quantized, strict=True))
     prefixes = [common_prefix(a, b) for a, b in zip(reference, quantized, strict=True)]
-    agreement = teacher_forced_agreement(int8.model, prompts, reference)
+    agreement = teacher_forced_agreement(packed.model, prompts, reference)
     print(f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy")
     print(f"identical outputs: {identical}/{len(prompts)} ({identical / len(prompts):.1%})")
     print(f"tokens before the first difference: mean {sum(prefixes) / len(prefixes):.1f}")
-    print(f"int8 makes float32's choice on float32's output: {agreement:.1%} of positions")
+    print(f"{args.weights} makes float32's choice on float32's output: {agreement:.1%} of positions")
 
 
 if __name__ == "__main__":

@@ -21,14 +21,16 @@ def test_context_index_script_runs_and_drafts_on_repetitive_text(monkeypatch, ca
 
 
 @pytest.mark.model
-def test_weights_agreement_script_compares_int8_with_float32(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["weights_agreement.py", "--limit", "1", "--max-new-tokens", "8"])
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_weights_agreement_script_compares_a_packed_copy_with_float32(monkeypatch, capsys, weights):
+    argv = ["weights_agreement.py", "--weights", weights, "--limit", "1", "--max-new-tokens", "8"]
+    monkeypatch.setattr(sys, "argv", argv)
     runpy.run_path(str(SCRIPTS / "weights_agreement.py"), run_name="__main__")
     out = capsys.readouterr().out
     identical = out.split("identical outputs: ")[1].split("/")
     assert identical[1].startswith("13 ") and 0 <= int(identical[0]) <= 13
     agreement = float(out.split("choice on float32's output: ")[1].split("%")[0])
-    assert 80 <= agreement <= 100  # int8 per channel stays close to float32
+    assert 80 <= agreement <= 100  # int8 per channel, and int4 where it is exact, stay close to float32
 
 
 def test_drafting_script_builds_a_datastore_once_and_reader_reads_it(monkeypatch, capsys, tmp_path):
