@@ -140,8 +140,9 @@ def test_rasd_runs_the_draft_model_every_step_but_only_the_levels_that_pay(
 
 @pytest.fixture(scope="module")
 def four_bit(tiny) -> LoadedModel:
-    """The tiny model with every matrix on a 4-bit grid, as a model read from a Q4_1 file has them."""
-    model = copy.deepcopy(tiny.model)
+    """The tiny model with every matrix on a 4-bit grid, as a model read from a Q4_1 file has them (built
+    anew: other tests pack ``tiny``'s own model in place)."""
+    model = make_tiny_llama()
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             module.weight.copy_(dequantize_int4(*quantize_int4(module.weight)))

@@ -41,9 +41,9 @@ def self_draft(target: LoadedModel, weights: str = SELF_WEIGHTS) -> LoadedModel:
             "give a draft model instead (a smaller model with the same tokenizer)"
         )
     packed = getattr(target.model, "_reader_fast_decoder", None)
-    if packed is not None and packed.weights == weights:
+    if packed is not None and packed.weights != "float32":  # the copy could only be as slow again
         raise ModelLoadError(
-            f"--draft-model self is the target's weights in {weights}, and the target runs in {weights} "
+            f"--draft-model self is a compressed copy of the target, and the target runs in {packed.weights} "
             "already: give a smaller draft model with the same tokenizer"
         )
     model = copy.deepcopy(target.model)
