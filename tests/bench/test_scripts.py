@@ -21,9 +21,8 @@ def test_context_index_script_runs_and_drafts_on_repetitive_text(monkeypatch, ca
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_weights_agreement_script_compares_a_packed_copy_with_float32(monkeypatch, capsys, weights):
-    argv = ["weights_agreement.py", "--weights", weights, "--limit", "1", "--max-new-tokens", "8"]
+def test_weights_agreement_script_compares_a_packed_copy_with_float32(monkeypatch, capsys):
+    argv = ["weights_agreement.py", "--weights", "int4", "--limit", "1", "--max-new-tokens", "8"]
     monkeypatch.setattr(sys, "argv", argv)
     runpy.run_path(str(SCRIPTS / "weights_agreement.py"), run_name="__main__")
     out = capsys.readouterr().out

@@ -238,27 +238,15 @@ void product(const float* x_data, int64_t rows, const float* w_data, int64_t k_s
 
 at::Tensor blocked_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                           int64_t out_features) {
-  TORCH_CHECK(input.device().is_cpu() && weight.device().is_cpu(), "blocked_linear runs on the CPU");
-  TORCH_CHECK(input.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "blocked_linear: float32 input and weight only");
-  TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kBlock && weight.is_contiguous(), "weight must be [blocks, K, 32]");
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 3 &&
+                  weight.size(2) == kBlock && weight.is_contiguous(),
+              "blocked_linear: the weight must be contiguous float32 [blocks, K, 32] on the CPU");
+  TORCH_CHECK(out_features <= weight.size(0) * kBlock, "blocked_linear: out_features exceeds the weight's blocks");
   const int64_t k_size = weight.size(1);
-  TORCH_CHECK(input.size(-1) == k_size, "input has ", input.size(-1), " features, the weight ", k_size);
-  TORCH_CHECK(out_features <= weight.size(0) * kBlock, "out_features exceeds the weight's blocks");
-  const at::Tensor x = input.reshape({-1, k_size}).contiguous();
-  const int64_t rows = x.size(0);
-  auto out_shape = input.sizes().vec();
-  out_shape.back() = out_features;
-  at::Tensor y = at::empty({rows, out_features}, x.options());
-  const float* bias_data = nullptr;
-  at::Tensor bias_contiguous;
-  if (bias.has_value() && bias->defined()) {
-    bias_contiguous = bias->contiguous();
-    TORCH_CHECK(bias_contiguous.numel() == out_features, "bias has the wrong size");
-    bias_data = bias_contiguous.data_ptr<float>();
-  }
-  product(x.data_ptr<float>(), rows, weight.data_ptr<float>(), k_size, bias_data, y.data_ptr<float>(), out_features);
-  return y.view(out_shape);
+  return reader_spec::rows_product("blocked_linear", input, bias, k_size, out_features,
+                                   [&](const float* x, int64_t rows, const float* b, float* y) {
+                                     product(x, rows, weight.data_ptr<float>(), k_size, b, y, out_features);
+                                   });
 }
 
 }  // namespace

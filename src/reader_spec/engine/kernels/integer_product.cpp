@@ -308,7 +308,6 @@ namespace {
 // x @ W.T (+ bias) for int8 weights in the integer product's layout, x in float32 of any shape [..., K].
 at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t out_features) {
-  TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kFloat, "int8_linear: float32 CPU input");
   const int64_t groups = (in_features + kGroup - 1) / kGroup;
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
                   weight.dim() == 3 && weight.size(1) == groups && weight.size(2) == kBlock * kGroup,
@@ -317,25 +316,12 @@ at::Tensor int8_linear(const at::Tensor& input, const at::Tensor& weight, const 
   TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
                   scales.numel() >= weight.size(0) * kBlock,
               "int8_linear: one contiguous float32 scale per stored column");
-  TORCH_CHECK(input.size(-1) == in_features, "int8_linear: input has ", input.size(-1), " features, not ",
-              in_features);
-  const float* bias_data = nullptr;
-  at::Tensor bias_contiguous;
-  if (bias.has_value() && bias->defined()) {
-    bias_contiguous = bias->contiguous();
-    TORCH_CHECK(bias_contiguous.scalar_type() == at::kFloat && bias_contiguous.numel() == out_features,
-                "int8_linear: one float32 bias per output");
-    bias_data = bias_contiguous.data_ptr<float>();
-  }
-  const at::Tensor x = input.reshape({-1, in_features}).contiguous();
-  const int64_t rows = x.size(0);
-  at::Tensor y = at::empty({rows, out_features}, x.options());
-  reader_spec::integer_product(x.data_ptr<float>(), rows, weight.data_ptr<uint8_t>(), in_features,
-                               scales.data_ptr<float>(), bias_data, y.data_ptr<float>(), out_features, out_features,
-                               false);
-  auto out_shape = input.sizes().vec();
-  out_shape.back() = out_features;
-  return y.view(out_shape);
+  return reader_spec::rows_product("int8_linear", input, bias, in_features, out_features,
+                                   [&](const float* x, int64_t rows, const float* b, float* y) {
+                                     reader_spec::integer_product(x, rows, weight.data_ptr<uint8_t>(), in_features,
+                                                                  scales.data_ptr<float>(), b, y, out_features,
+                                                                  out_features, false);
+                                   });
 }
 
 }  // namespace

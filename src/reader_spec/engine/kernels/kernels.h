@@ -3,6 +3,8 @@
 // token's arithmetic is the same whichever of them computes it.
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -196,6 +198,29 @@ std::vector<IntegerRow> integer_product(const float* x, int64_t rows, const uint
 constexpr int64_t kNibbleGroup = 32;
 void nibble_product(const float* x, int64_t rows, const uint8_t* weight, const uint16_t* scales, int64_t k_size,
                     const float* bias, float* y, int64_t columns);
+
+// What the product ops (blocked_linear, int8_linear, int4_linear) do around their kernel: `input`
+// ([..., in_features], float32) seen as rows, the optional float32 bias checked (one per output),
+// and y = product(x, rows, bias or null, y) returned with input's leading shape.
+template <typename Product>
+at::Tensor rows_product(const char* op, const at::Tensor& input, const c10::optional<at::Tensor>& bias,
+                        int64_t in_features, int64_t out_features, Product product) {
+  TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kFloat, op, ": float32 CPU input");
+  TORCH_CHECK(input.size(-1) == in_features, op, ": input has ", input.size(-1), " features, not ", in_features);
+  at::Tensor bias_contiguous;
+  if (bias.has_value() && bias->defined()) {
+    bias_contiguous = bias->contiguous();
+    TORCH_CHECK(bias_contiguous.scalar_type() == at::kFloat && bias_contiguous.numel() == out_features, op,
+                ": one float32 bias per output");
+  }
+  const at::Tensor x = input.reshape({-1, in_features}).contiguous();
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  product(x.data_ptr<float>(), x.size(0), bias_contiguous.defined() ? bias_contiguous.data_ptr<float>() : nullptr,
+          y.data_ptr<float>());
+  auto out_shape = input.sizes().vec();
+  out_shape.back() = out_features;
+  return y.view(out_shape);
+}
 
 // Row by row: hidden += delta (where delta is not null), normed = weight * hidden / rms(hidden).
 void add_rms_norm_rows(float* hidden, const float* delta, const float* weight, float epsilon, int64_t rows,

@@ -191,7 +191,6 @@ namespace {
 // x @ W.T (+ bias) for 4-bit weights in the layout above, x in float32 of any shape [..., K].
 at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t out_features) {
-  TORCH_CHECK(input.device().is_cpu() && input.scalar_type() == at::kFloat, "int4_linear: float32 CPU input");
   TORCH_CHECK(in_features % kGroupK == 0, "int4_linear: in_features must be a multiple of ", kGroupK);
   const int64_t groups = in_features / kGroupK;
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
@@ -201,24 +200,12 @@ at::Tensor int4_linear(const at::Tensor& input, const at::Tensor& weight, const 
   TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kShort && scales.is_contiguous() &&
                   scales.numel() == weight.size(0) * groups * 2 * kBlock,
               "int4_linear: contiguous scales and minimums [blocks, in / 32, 64] (float16 bits as int16)");
-  TORCH_CHECK(input.size(-1) == in_features, "int4_linear: input has ", input.size(-1), " features, not ",
-              in_features);
-  const float* bias_data = nullptr;
-  at::Tensor bias_contiguous;
-  if (bias.has_value() && bias->defined()) {
-    bias_contiguous = bias->contiguous();
-    TORCH_CHECK(bias_contiguous.scalar_type() == at::kFloat && bias_contiguous.numel() == out_features,
-                "int4_linear: one float32 bias per output");
-    bias_data = bias_contiguous.data_ptr<float>();
-  }
-  const at::Tensor x = input.reshape({-1, in_features}).contiguous();
-  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
-  reader_spec::nibble_product(x.data_ptr<float>(), x.size(0), weight.data_ptr<uint8_t>(),
-                              reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()), in_features, bias_data,
-                              y.data_ptr<float>(), out_features);
-  auto out_shape = input.sizes().vec();
-  out_shape.back() = out_features;
-  return y.view(out_shape);
+  const auto* halves = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
+  return reader_spec::rows_product("int4_linear", input, bias, in_features, out_features,
+                                   [&](const float* x, int64_t rows, const float* b, float* y) {
+                                     reader_spec::nibble_product(x, rows, weight.data_ptr<uint8_t>(), halves,
+                                                                 in_features, b, y, out_features);
+                                   });
 }
 
 }  // namespace
