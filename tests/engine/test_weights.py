@@ -196,17 +196,17 @@ def test_an_int8_module_saves_and_looks_up_the_dequantized_matrix():
     assert "int8" in repr(packed) and "float32" in repr(pack_linears([linear(8, 4, False, 0)])[0])
 
 
-@pytest.mark.parametrize("weight_format", ["float32", "int8", "int4"])
+@pytest.mark.parametrize("weight_format", ["float32", "int8", "int4", "int8-grouped"])
 def test_rows_do_not_depend_on_the_rest_of_the_pass(weight_format):
-    """The compiled ops sum each column over k in order (int8 and int4: in integers, exact in any
-    order, each row rounded on its own), whatever the tile: a row's outputs are the same alone, among
-    2 or 3 rows, in a full register tile, in several tiles, on 1 or 2 threads."""
+    """The compiled ops sum each column over k in order (quantized: in integers, exact in any order,
+    each row rounded on its own), whatever the tile: a row's outputs are the same alone, among 2 or 3
+    rows, in a full register tile, in several tiles, on 1 or 2 threads."""
     if not kernels.available():
         pytest.fail("the compiled kernels must build on this machine (make builds them)")
     module = linear(157, 64, bias=True, seed=6)  # 5 blocks, the last partial: an unpaired one
-    if weight_format == "int4":
-        module.weight.copy_(q4_grid(157, 64, seed=6))
-    packed, _ = pack_linears([module], weights=weight_format)
+    if weight_format in GRIDS:
+        module.weight.copy_(GRIDS[weight_format](157, 64, seed=6))
+    packed, _ = pack_linears([module], weights="int4" if weight_format in GRIDS else weight_format)
     assert packed.weight_format == weight_format
     x = torch.randn(27, 64)
 
@@ -214,8 +214,8 @@ def test_rows_do_not_depend_on_the_rest_of_the_pass(weight_format):
         ops = torch.ops.reader_spec
         if weight_format == "int8":
             return ops.int8_linear(rows, packed.weight, packed.scales, packed.bias, 64, 157)
-        if weight_format == "int4":
-            return ops.int4_linear(rows, packed.weight, packed.scales, packed.bias, 64, 157)
+        if weight_format in GRIDS:
+            return ops.grouped_linear(rows, packed.weight, packed.scales, packed.bias, 64, 157)
         return ops.blocked_linear(rows, packed.weight, packed.bias, 157)
 
     together = run(x)
@@ -262,37 +262,72 @@ def q4_grid(out_features: int, in_features: int, seed: int) -> torch.Tensor:
     return (q * scale + minimum).view(out_features, in_features)
 
 
-def grid_linear(out_features: int, in_features: int, bias: bool, seed: int) -> nn.Linear:
+def q8_grid(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """A matrix as an 8-bit file holds it (GGUF's Q8_0): per row and group of 32 inputs, q in
+    -127..127 (one of them +-127, as that quantizer makes it) times a float16 scale."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (out_features, in_features // 32, 32)
+    q = torch.randint(-127, 128, shape, generator=generator)
+    q[..., 5] = torch.where(torch.rand(shape[:2], generator=generator) < 0.5, -127, 127)
+    q[..., 6] = 0
+    scale = (torch.rand(*shape[:2], 1, generator=generator) * 0.002 + 1e-7).half().float()  # some subnormal
+    return (q * scale).view(out_features, in_features)
+
+
+GRIDS = {"int4": q4_grid, weights.INT8_GROUPED: q8_grid}
+"""A GGUF file's matrices, by the format that stores them exactly."""
+
+
+@pytest.fixture(params=list(GRIDS))
+def grouped(request) -> str:
+    """A storage format quantized per group of 32 inputs."""
+    return request.param
+
+
+def grid_linear(out_features: int, in_features: int, bias: bool, seed: int, stored: str = "int4"):
     module = linear(out_features, in_features, bias, seed)
-    module.weight.copy_(q4_grid(out_features, in_features, seed))
+    module.weight.copy_(GRIDS[stored](out_features, in_features, seed))
     return module
 
 
-def test_int4_keeps_a_4_bit_files_matrix_exactly_and_a_float_one_goes_int8():
-    module = grid_linear(100, 96, bias=True, seed=4)  # 100 outputs: the last block of 32 is partial
+def test_int4_keeps_a_gguf_files_matrices_exactly(grouped):
+    module = grid_linear(100, 96, bias=True, seed=4, stored=grouped)  # 100 outputs: a partial last block
     weight, bias = module.weight.clone(), module.bias.clone()
-    assert weights.int4_fits(weight) and not weights.int4_fits(torch.randn(40, 64))
-    assert not weights.int4_fits(q4_grid(8, 64, 0)[:, :48])  # 48 inputs: not whole groups of 32
+    assert weights.int4_fits(weight) == (grouped == "int4")
     packed, _ = pack_linears([module], weights="int4")
-    assert packed.weight_format == "int4" and packed.blocked and "int4" in repr(packed)
-    assert packed.weight.shape == (4, 3, 512) and packed.weight.dtype == torch.uint8
-    assert packed.scales.shape == (4, 3, 64) and packed.scales.dtype == torch.int16  # float16 bits
+    assert packed.weight_format == grouped and packed.blocked and grouped in repr(packed)
+    bits = weights.GROUPED_BITS[grouped]
+    assert packed.weight.shape == (4, 3, 128 * bits) and packed.weight.dtype == torch.uint8
+    assert packed.scales.shape == (4, 3, 64 if bits == 4 else 32) and packed.scales.dtype == torch.int16
     assert torch.equal(packed.plain_weight(), weight)  # not a bit lost
     state = packed.state_dict()
     assert torch.equal(state["weight"], weight) and torch.equal(state["bias"], bias)
     tokens = torch.tensor([0, 7, 8, 15, 16, 23, 24, 31, 32, 99])  # every octet of columns in a block
     assert torch.equal(packed.rows_of(tokens), weight[tokens])
     assert torch.equal(packed.rows_of(tokens[None]), weight[tokens][None])
-    other, _ = pack_linears([linear(40, 64, bias=False, seed=1)], weights="int4")
+
+
+def test_int4_stores_a_float_matrix_in_8_bits_per_group_or_per_row():
+    float_matrix = linear(40, 64, bias=False, seed=1)
+    weight = float_matrix.weight.clone()
+    assert not weights.int4_fits(weight)
+    packed, _ = pack_linears([float_matrix], weights="int4")
+    assert packed.weight_format == weights.INT8_GROUPED
+    groups = weight.view(40, 2, 32)
+    step = groups.abs().amax(-1, keepdim=True) / 127  # half a step of each group's own scale, at most
+    assert ((packed.plain_weight().view(40, 2, 32) - groups).abs() <= step * 0.5 * 1.01).all()
+    assert not weights.int4_fits(q4_grid(8, 64, 0)[:, :48])  # 48 inputs: not whole groups of 32
+    other, _ = pack_linears([linear(8, 48, bias=False, seed=2)], weights="int4")
     assert other.weight_format == "int8"
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 7, 17])
 @pytest.mark.parametrize("bias", [False, True])
-def test_an_int4_matrix_multiplies_like_its_dequantized_matrix(kernel, rows, bias):
-    module = grid_linear(100, 64, bias, seed=rows)
+def test_a_grouped_matrix_multiplies_like_its_dequantized_matrix(kernel, grouped, rows, bias):
+    module = grid_linear(100, 64, bias, seed=rows, stored=grouped)
     weight, bias_values = module.weight.clone(), None if module.bias is None else module.bias.clone()
     packed, _ = pack_linears([module], weights="int4")
+    assert packed.weight_format == grouped
     x = torch.randn(2, rows, 64)
     expected = nn.functional.linear(x, weight, bias_values)
     assert packed(x).shape == (2, rows, 100)
@@ -300,16 +335,16 @@ def test_an_int4_matrix_multiplies_like_its_dequantized_matrix(kernel, rows, bia
     assert ((packed(x) - expected).abs() <= tolerance).all()
 
 
-def test_an_int4_product_of_rows_with_inf_or_nan_is_not_finite_there_only(kernel):
-    packed, _ = pack_linears([grid_linear(40, 32, bias=True, seed=2)], weights="int4")
+def test_a_grouped_product_of_rows_with_inf_or_nan_is_not_finite_there_only(kernel, grouped):
+    packed, _ = pack_linears([grid_linear(40, 32, bias=True, seed=2, stored=grouped)], weights="int4")
     x = torch.randn(3, 32)
     x[0, 5], x[2, 0] = float("inf"), float("nan")
     out = packed(x)
     assert not out[[0, 2]].isfinite().any() and out[1].isfinite().all()
 
 
-def test_fused_int4_matrices_split_into_their_parts_and_views_stay_usable(kernel):
-    parts = [grid_linear(n, 64, bias=n == 16, seed=n) for n in (64, 16, 16)]  # q, k (with bias), v
+def test_fused_grouped_matrices_split_into_their_parts_and_views_stay_usable(kernel, grouped):
+    parts = [grid_linear(n, 64, bias=n == 16, seed=n, stored=grouped) for n in (64, 16, 16)]  # q, k, v
     references = [(p.weight.clone(), None if p.bias is None else p.bias.clone()) for p in parts]
     fused, views = pack_linears(parts, weights="int4")
     x = torch.randn(5, 64)
@@ -317,21 +352,26 @@ def test_fused_int4_matrices_split_into_their_parts_and_views_stay_usable(kernel
         want = nn.functional.linear(x, *ref)
         tolerance = input_rounding(x, ref[0]) if kernel == "compiled" else TOL
         assert ((got - want).abs() <= tolerance).all() and ((view(x) - want).abs() <= tolerance).all()
-        assert view.weight_format == "int4" and torch.equal(view.plain_weight(), ref[0])
+        assert view.weight_format == grouped and torch.equal(view.plain_weight(), ref[0])
         assert view.scales.untyped_storage().data_ptr() == fused.scales.untyped_storage().data_ptr()
-    assert fused.weight.shape == (4, 2, 512)  # each part padded to whole blocks of 32 rows
+    assert fused.weight.shape == (4, 2, 128 * weights.GROUPED_BITS[grouped])  # parts padded to whole blocks
 
 
 def test_a_matrix_fuses_in_int4_only_if_every_part_does():
-    parts = [grid_linear(32, 64, bias=False, seed=1), linear(32, 64, bias=False, seed=2)]
+    parts = [grid_linear(32, 64, False, seed=1), grid_linear(32, 64, False, seed=2, stored="int8-grouped")]
+    q4, q8 = (p.weight.clone() for p in parts)
     fused, views = pack_linears(parts, weights="int4")
-    assert fused.weight_format == "int8" and all(v.weight_format == "int8" for v in views)
+    assert fused.weight_format == weights.INT8_GROUPED
+    assert all(view.weight_format == weights.INT8_GROUPED for view in views)
+    assert torch.equal(views[1].plain_weight(), q8)
+    step = q4.view(32, 2, 32).abs().amax(-1, keepdim=True) / 127  # the 4-bit part: within half a step
+    assert ((views[0].plain_weight().view(32, 2, 32) - q4.view(32, 2, 32)).abs() <= step * 0.5 * 1.01).all()
 
 
-def test_int4_on_other_dtypes_keeps_the_plain_layout():
-    module = grid_linear(64, 32, bias=True, seed=5).to(torch.bfloat16)
+def test_grouped_formats_on_other_dtypes_keep_the_plain_layout(grouped):
+    module = grid_linear(64, 32, bias=True, seed=5, stored=grouped).to(torch.bfloat16)
     packed, _ = pack_linears([module], weights="int4")
-    assert packed.weight_format == "int4" and not packed.blocked
+    assert packed.weight_format == grouped and not packed.blocked
     assert packed.weight.shape == (64, 32) and packed.scales.shape == (64, 1, 2)
     plain = packed.plain_weight()
     assert plain.dtype == torch.bfloat16

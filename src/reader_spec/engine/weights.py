@@ -17,10 +17,11 @@ float, which cost more than reading it at a few rows): each row of the input is 
 integers (two int8 levels with AVX-512 VNNI) with a scale of its own, so a row's outputs do not
 depend on the rest of the pass. Elsewhere, or without a compiler, int8 matrices are dequantized for
 each product. PyTorch's own int8 kernel (``torch._weight_int8pack_mm``) is no use here: on a CPU it
-is several times slower than float32 at a few rows. ``int4`` stores a matrix in 4 bits with a scale
-and a minimum per group of 32 inputs (GGUF's Q4_1): a model loaded from a 4-bit file gets its own
-weights back exactly, at 5 bits a weight, multiplied by the compiled ``int4_linear``; a matrix that 4
-bits would store less closely than int8 (any matrix trained in float) is stored in int8 instead.
+is several times slower than float32 at a few rows. ``int4`` stores matrices as GGUF files do, per
+group of 32 inputs: in 4 bits with a scale and a minimum (Q4_1) where that is at least as close as 8
+bits with a scale (Q8_0), in those 8 bits elsewhere (:data:`INT8_GROUPED`); a model loaded from a
+4-bit file, whose output layer is Q8_0, gets all its own weights back exactly, multiplied by the
+compiled ``grouped_linear``.
 
 Packing replaces the model's ``nn.Linear`` modules by :class:`PackedLinear` modules (the model's own
 forward still runs) and frees the originals, so no second copy of the weights is kept. Projections
@@ -57,15 +58,22 @@ BATCHED_MARGIN = 1.1
 run back to back, while in a pass each follows other work, and there the compiled kernel did better
 than timed (whole passes, 12-24 rows: 1-5% faster on the compiled kernel where timing chose the
 batched matmul; docs/runner.md)."""
-NIBBLE_GROUP = kernels.NIBBLE_GROUP
-"""Inputs per scale and minimum of an int4 matrix (GGUF's Q4_1 blocks)."""
+WEIGHT_GROUP = kernels.WEIGHT_GROUP
+"""Inputs per scale (and minimum) of a matrix quantized per group (GGUF's blocks)."""
 WEIGHT_FORMATS = ("float32", "int8", "int4")
 """How :func:`pack_linears` stores a matrix: ``float32``, the model's own weights, unquantized (blocked
 where they are float32 on a CPU, other dtypes and devices as they are); ``int8``, symmetric per output
 row (``W ≈ q * scale``, ``scale = max |row| / 127``, rounded to nearest), scales in the model's dtype;
 ``int4``, ``W ≈ q * d + m`` with ``q`` in 0..15 and float16 ``d`` and ``m`` per output row and group
-of 32 inputs (:func:`quantize_int4`), for each matrix that this stores at least as closely as int8
-(exactly, for weights read from a 4-bit file), int8 for the others."""
+of 32 inputs (:func:`quantize_int4`), for each matrix that this stores at least as closely as
+:data:`INT8_GROUPED` (exactly, for weights read from a 4-bit file), that format for the others (int8
+per output row where the inputs are not whole groups)."""
+INT8_GROUPED = "int8-grouped"
+"""How the ``int4`` format stores a matrix that 4 bits would store less closely: ``W ≈ q * d``, ``q``
+in -127..127 and a float16 ``d`` per output row and group of 32 inputs (GGUF's Q8_0, the output layer
+of a 4-bit file; :func:`quantize_int8_grouped`)."""
+GROUPED_BITS = {"int4": 4, INT8_GROUPED: 8}
+"""Bits per weight of the storage formats quantized per group (``grouped_linear`` multiplies both)."""
 
 
 class PackedLinear(nn.Module):
@@ -75,11 +83,11 @@ class PackedLinear(nn.Module):
     plain matrix. A fused matrix knows where its parts' outputs lie (``parts``: start and size of
     each), for :meth:`split`. ``scales`` (int8 weights): ``W = weight * scales`` per output row, one
     scale per stored row (blocked: padding rows included); the bias stays in the model's dtype.
-    int4 weights (``weight_format="int4"``): blocked, the nibble layout of :func:`to_nibbles` with
-    ``scales`` ``[blocks, in / 32, 64]`` (each group's 32 scales, then its 32 minimums, float16 bits
-    held as int16 so that the model's dtype stays its float one); plain,
-    ``q`` as ``[out, in]`` bytes and ``scales`` ``[out, in / 32, 2]`` (scale, minimum) in the model's
-    dtype.
+    Weights quantized per group (``weight_format`` in :data:`GROUPED_BITS`): blocked, the layouts of
+    :func:`to_nibbles` (int4) and :func:`to_grouped_int8`, ``scales`` ``[blocks, in / 32, 64 or 32]``
+    (float16 bits held as int16 so that the model's dtype stays its float one); plain, ``q`` as
+    ``[out, in]`` (uint8 or int8) and ``scales`` ``[out, in / 32, 2]`` (scale, minimum: 0 for
+    int8-grouped) in the model's dtype.
     """
 
     def __init__(
@@ -95,7 +103,7 @@ class PackedLinear(nn.Module):
     ):
         super().__init__()
         self.weight_format = weight_format or ("float32" if scales is None else "int8")
-        """Which of :data:`WEIGHT_FORMATS` it stores."""
+        """How it stores its matrix: one of :data:`WEIGHT_FORMATS` or :data:`INT8_GROUPED`."""
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.scales = None if scales is None else nn.Parameter(scales, requires_grad=False)
@@ -109,14 +117,14 @@ class PackedLinear(nn.Module):
         """The matrices the kernels are timed on for this shape (:func:`time_together`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.blocked:  # int8 or int4 on another device or dtype: correct, not fast
+        if not self.blocked:  # quantized on another device or dtype: correct, not fast
             weight = self.weight if self.scales is None else self.plain_weight()
             return nn.functional.linear(x, weight, self.bias)
         rows = x.numel() // self.in_features
         compiled = self.compiled_at(rows)
-        if self.weight_format == "int4":
+        if self.weight_format in GROUPED_BITS:
             if compiled:
-                return torch.ops.reader_spec.int4_linear(
+                return torch.ops.reader_spec.grouped_linear(
                     x, self.weight, self.scales, self.bias, self.in_features, self.out_features
                 )
             return nn.functional.linear(x, self.plain_weight(), self.bias)  # without the compiler
@@ -165,10 +173,10 @@ class PackedLinear(nn.Module):
         return [out[..., start : start + size] for start, size in self.parts]
 
     def plain_weight(self) -> torch.Tensor:
-        """The ``[out, in]`` matrix (a copy when blocked; dequantized, in the model's dtype, when int8
-        or int4)."""
-        if self.weight_format == "int4":
-            return self._int4_matrix()
+        """The ``[out, in]`` matrix (a copy when blocked; dequantized, in the model's dtype, when
+        quantized)."""
+        if self.weight_format in GROUPED_BITS:
+            return self._grouped_matrix()
         if not self.blocked:
             weight = self.weight
         else:
@@ -185,10 +193,10 @@ class PackedLinear(nn.Module):
             destination[prefix + "bias"] = self.bias[: self.out_features]
 
     def rows_of(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Rows of the plain matrix (an embedding lookup in a tied output layer; dequantized when int8
-        or int4)."""
-        if self.weight_format == "int4":
-            return self._int4_rows(tokens)
+        """Rows of the plain matrix (an embedding lookup in a tied output layer; dequantized when
+        quantized)."""
+        if self.weight_format in GROUPED_BITS:
+            return self._grouped_rows(tokens)
         if not self.blocked:
             rows = self.weight[tokens]
         elif self.scales is None:
@@ -201,42 +209,59 @@ class PackedLinear(nn.Module):
             return rows
         return rows.to(self.scales.dtype) * self.scales[tokens].unsqueeze(-1)
 
-    def _int4_matrix(self) -> torch.Tensor:
-        """The whole int4 matrix, dequantized (``[out, in]`` in the model's dtype)."""
+    def _grouped_matrix(self) -> torch.Tensor:
+        """The whole matrix quantized per group, dequantized (``[out, in]`` in the model's dtype)."""
         if not self.blocked:
-            return self._int4_rows(torch.arange(self.out_features, device=self.weight.device))
+            return self._grouped_rows(torch.arange(self.out_features, device=self.weight.device))
         blocks, groups, _ = self.weight.shape
-        halves = self.weight.view(blocks, groups, NIBBLE_GROUP // 2, 1, 2, 16)
-        octets = torch.cat([halves & 15, halves >> 4], dim=3)  # columns 8 o + c: [..., 4 o, 8 c x 2 k]
-        q = octets.view(blocks, groups, NIBBLE_GROUP // 2, BLOCK, 2).permute(0, 3, 1, 2, 4)
-        pairs = self.scales.view(torch.float16).view(blocks, groups, 2, BLOCK)
-        scale, minimum = pairs.permute(0, 3, 1, 2).float().unbind(-1)
+        if self.weight_format == "int4":
+            halves = self.weight.view(blocks, groups, WEIGHT_GROUP // 2, 1, 2, 16)
+            octets = torch.cat([halves & 15, halves >> 4], dim=3)  # columns 8 o + c: [..., 4 o, 8 c x 2 k]
+            q = octets.view(blocks, groups, WEIGHT_GROUP // 2, BLOCK, 2).permute(0, 3, 1, 2, 4)
+            pairs = self.scales.view(torch.float16).view(blocks, groups, 2, BLOCK)
+            scale, minimum = pairs.permute(0, 3, 1, 2).float().unbind(-1)
+        else:  # [..., pairs of k, column, k of the pair]
+            q = self.weight.view(torch.int8).view(blocks, groups, WEIGHT_GROUP // 2, BLOCK, 2)
+            q = q.permute(0, 3, 1, 2, 4)
+            scale = self.scales.view(torch.float16).permute(0, 2, 1).float()
+            minimum = torch.zeros_like(scale)
         values = (
-            q.reshape(blocks, BLOCK, groups, NIBBLE_GROUP).float() * scale[..., None] + minimum[..., None]
+            q.reshape(blocks, BLOCK, groups, WEIGHT_GROUP).float() * scale[..., None] + minimum[..., None]
         )
         return values.reshape(blocks * BLOCK, self.in_features)[: self.out_features]
 
-    def _int4_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows ``rows`` of the int4 matrix, dequantized (``[..., in]`` in the model's dtype)."""
-        groups = self.in_features // NIBBLE_GROUP
+    def _grouped_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` of the matrix quantized per group, dequantized (``[..., in]`` in the model's
+        dtype)."""
+        groups = self.in_features // WEIGHT_GROUP
         if not self.blocked:
-            q = self.weight[rows].view(*rows.shape, groups, NIBBLE_GROUP)
+            q = self.weight[rows].view(*rows.shape, groups, WEIGHT_GROUP)
             scale, minimum = self.scales[rows].unbind(-1)
-        else:  # column 8 h + c of 16 h' + 8 h + c: byte 16 h + 2 c + k of each pair, high nibble from 16
+        elif self.weight_format == "int4":
+            # column 8 h + c of 16 h' + 8 h + c: byte 16 h + 2 c + k of each pair, high nibble from 16
             column = rows % BLOCK
-            pairs_of_k = self.weight[rows // BLOCK].view(*rows.shape, groups, NIBBLE_GROUP // 2, 32)
+            pairs_of_k = self.weight[rows // BLOCK].view(*rows.shape, groups, WEIGHT_GROUP // 2, 32)
             first = (column % 16 // 8 * 16 + column % 8 * 2)[..., None, None, None]
             byte = pairs_of_k.gather(
                 -1,
                 (first + torch.arange(2, device=rows.device)).expand(
-                    *rows.shape, groups, NIBBLE_GROUP // 2, 2
+                    *rows.shape, groups, WEIGHT_GROUP // 2, 2
                 ),
             )
             shift = (column // 16 * 4).to(torch.uint8)[..., None, None, None]
-            q = ((byte >> shift) & 15).view(*rows.shape, groups, NIBBLE_GROUP)
+            q = ((byte >> shift) & 15).view(*rows.shape, groups, WEIGHT_GROUP)
             pairs = self.scales[rows // BLOCK].view(torch.float16).view(*rows.shape, groups, 2, BLOCK)
-            picked = pairs.gather(-1, column[..., None, None, None].expand(*rows.shape, groups, 2, 1))
+            picked = pairs.gather(-1, (rows % BLOCK)[..., None, None, None].expand(*rows.shape, groups, 2, 1))
             scale, minimum = picked.squeeze(-1).float().unbind(-1)
+        else:  # column c's k j at byte 2 c + j of each pair of k
+            column = (rows % BLOCK)[..., None, None, None, None]
+            pairs_of_k = self.weight[rows // BLOCK].view(torch.int8)
+            pairs_of_k = pairs_of_k.view(*rows.shape, groups, WEIGHT_GROUP // 2, BLOCK, 2)
+            picked = pairs_of_k.gather(-2, column.expand(*rows.shape, groups, WEIGHT_GROUP // 2, 1, 2))
+            q = picked.view(*rows.shape, groups, WEIGHT_GROUP)
+            halves = self.scales[rows // BLOCK].view(torch.float16)  # [..., groups, 32]
+            scale = halves.gather(-1, column[..., 0, 0].expand(*rows.shape, groups, 1)).squeeze(-1).float()
+            minimum = torch.zeros_like(scale)
         dtype = torch.float32 if self.blocked else self.scales.dtype
         values = q.to(dtype) * scale.to(dtype)[..., None] + minimum.to(dtype)[..., None]
         return values.flatten(-2)
@@ -263,8 +288,8 @@ def pack_linears(
     """
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
-    if weights == "int4" and not all(int4_fits(_plain_of(m)) for m in modules):
-        weights = "int8"
+    if weights == "int4":
+        weights = _grouped_format(modules)
     quantize = weights != "float32"
     blocked = _blocks(*_values_of(modules[0]))
     sizes = [m.out_features if isinstance(m, PackedLinear) else m.weight.shape[0] for m in modules]
@@ -278,13 +303,13 @@ def pack_linears(
             bias = module.bias.detach()[:size] if module.bias is not None else weight.new_zeros(size)
             biases.append(torch.cat([bias, bias.new_zeros(room - size)]))
         matrix = weight
-        if weights == "int4":
-            matrix, scale = _int4_parts(weight, room, blocked, part_arena)
+        if weights in GROUPED_BITS:
+            matrix, scale = _grouped_parts(weight, weights, room, blocked, part_arena)
             scales.append(scale)
         elif quantize:
             matrix, scale = quantize_int8(weight)
             scales.append(torch.cat([scale, scale.new_zeros(room - size)]))
-        if blocked and weights != "int4":
+        if blocked and weights not in GROUPED_BITS:
             matrix = (to_groups if quantize else to_blocks)(matrix, room, part_arena)
         matrices.append(matrix)
         if blocked or quantize:
@@ -320,8 +345,9 @@ def pack_linears(
         rows = slice(start // BLOCK, (start + room) // BLOCK) if blocked else slice(start, start + size)
         part_bias = None if bias is None else bias[start : start + size]
         part_scales = None
-        if fused_scales is not None:  # int4's blocked scales go by block, int8's by column
-            part_scales = fused_scales[rows] if weights == "int4" else fused_scales[start : start + room]
+        if fused_scales is not None:  # grouped scales go by block (blocked) or row, int8's by column
+            grouped = weights in GROUPED_BITS
+            part_scales = fused_scales[rows] if grouped else fused_scales[start : start + room]
         views.append(
             PackedLinear(
                 fused[rows], part_bias, in_features, size, blocked, scales=part_scales, weight_format=weights
@@ -332,7 +358,7 @@ def pack_linears(
 
 def _values_of(module: nn.Linear | PackedLinear) -> tuple[torch.device, torch.dtype]:
     """The device and float dtype of the module's matrix (for the layout's choice)."""
-    if isinstance(module, PackedLinear) and module.weight_format == "int4":  # blocked: float32 models only
+    if isinstance(module, PackedLinear) and module.weight_format in GROUPED_BITS:  # blocked: float32 only
         return module.scales.device, torch.float32 if module.blocked else module.scales.dtype
     if isinstance(module, PackedLinear) and module.scales is not None:
         return module.scales.device, module.scales.dtype
@@ -366,7 +392,7 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     float16, ``q`` rounded against them. Returns ``q`` (``[out, in]``, uint8), ``d`` and ``m``
     (``[out, in / 32]``, float16). A matrix read from a 4-bit file comes back exactly."""
     out_features, in_features = weight.shape
-    groups = weight.float().view(out_features, in_features // NIBBLE_GROUP, NIBBLE_GROUP)
+    groups = weight.float().view(out_features, in_features // WEIGHT_GROUP, WEIGHT_GROUP)
     least, most = groups.amin(-1), groups.amax(-1)
     minimum = least.half()
     scale = ((most - least) / 15).half()
@@ -378,48 +404,77 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     """The float32 ``[out, in]`` matrix of :func:`quantize_int4`'s parts."""
     groups = (
-        q.view(*scale.shape, NIBBLE_GROUP).float() * scale.float()[..., None] + minimum.float()[..., None]
+        q.view(*scale.shape, WEIGHT_GROUP).float() * scale.float()[..., None] + minimum.float()[..., None]
     )
     return groups.view(q.shape)
 
 
+def quantize_int8_grouped(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """8 bits per weight with a scale per row and group of 32 inputs, as GGUF's Q8_0 quantizes:
+    ``weight ≈ q * d``, ``d`` the group's largest magnitude / 127 in float16, ``q`` rounded against it.
+    Returns ``q`` (``[out, in]``, int8) and ``d`` (``[out, in / 32]``, float16). A matrix read from an
+    8-bit file comes back exactly."""
+    out_features, in_features = weight.shape
+    groups = weight.float().view(out_features, in_features // WEIGHT_GROUP, WEIGHT_GROUP)
+    scale = (groups.abs().amax(-1) / 127).half()
+    divisor = scale.float().clamp_min(torch.finfo(torch.float32).tiny)[..., None]  # all-zero groups: q = 0
+    q = (groups / divisor).round_().clamp_(-127, 127).to(torch.int8)
+    return q.view(out_features, in_features), scale
+
+
 def int4_fits(weight: torch.Tensor) -> bool:
-    """Whether int4 stores this matrix at least as closely as int8 does (the largest error of either):
-    true for weights read from a 4-bit file, false for matrices trained in float."""
-    if weight.shape[1] % NIBBLE_GROUP:
+    """Whether int4 stores this matrix at least as closely as :data:`INT8_GROUPED` does (the largest
+    error of either): true for weights read from a 4-bit file, false for matrices trained in float
+    and for an 8-bit file's (and where the inputs are not whole groups of 32)."""
+    if weight.shape[1] % WEIGHT_GROUP:
         return False
     values = weight.float()
     int4_error = (dequantize_int4(*quantize_int4(values)) - values).abs().max()
-    q8, scale8 = quantize_int8(values)
-    int8_error = (q8.float() * scale8.float()[:, None] - values).abs().max()
-    return bool(int4_error <= int8_error)
+    q8, scale8 = quantize_int8_grouped(values)
+    int8_error = (q8.view(*scale8.shape, WEIGHT_GROUP) * scale8.float()[..., None]).view_as(values) - values
+    return bool(int4_error <= int8_error.abs().max())
 
 
-def _int4_parts(
-    weight: torch.Tensor, rows: int, blocked: bool, arena: PageArena | None
+def _grouped_format(modules: Sequence[nn.Linear | PackedLinear]) -> str:
+    """How the ``int4`` format stores these matrices, fused: int4 where every one fits
+    (:func:`int4_fits`), else int8 per group, or per output row where the inputs are not whole groups."""
+    if modules[0].in_features % WEIGHT_GROUP:
+        return "int8"
+    return "int4" if all(int4_fits(_plain_of(m)) for m in modules) else INT8_GROUPED
+
+
+def _grouped_parts(
+    weight: torch.Tensor, weight_format: str, rows: int, blocked: bool, arena: PageArena | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A matrix in int4 as :class:`PackedLinear` stores it: blocked (:func:`to_nibbles`, padded to
-    ``rows``) or plain (``q`` and ``[out, in / 32, 2]`` scales and minimums in the weight's dtype)."""
-    q, scale, minimum = quantize_int4(weight)
-    if blocked:
-        return to_nibbles(q, scale, minimum, rows, arena)
+    """A matrix quantized per group as :class:`PackedLinear` stores it: blocked (:func:`to_nibbles`,
+    :func:`to_grouped_int8`, padded to ``rows``) or plain (``q`` and ``[out, in / 32, 2]`` scales and
+    minimums in the weight's dtype)."""
+    if weight_format == "int4":
+        q, scale, minimum = quantize_int4(weight)
+        if blocked:
+            return to_nibbles(q, scale, minimum, rows, arena)
+    else:
+        q, scale = quantize_int8_grouped(weight)
+        if blocked:
+            return to_grouped_int8(q, scale, rows, arena)
+        minimum = torch.zeros_like(scale)
     return q, torch.stack([scale, minimum], dim=-1).to(weight.dtype)
 
 
 def to_nibbles(
     q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, rows: int, arena: PageArena | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """An int4 matrix as the nibble product reads it (``kernels/nibble_product.cpp``): per block of 32
+    """An int4 matrix as the grouped product reads it (``kernels/grouped_product.cpp``): per block of 32
     columns and group of 32 k, 16 pairs of k, each 32 bytes: column 8 h + c (h 0 or 1), k j at byte
     16 h + 2 c + j, low nibble; column 16 + 8 h + c at the same byte's high nibble.
     ``[rows / 32, in / 32, 512]`` (in ``arena`` if given); and ``[rows / 32, in / 32, 64]``, each
     group's 32 scales then its 32 minimums (float16 bits as int16). Padding columns (up to ``rows``)
     are zero."""
     out_features, in_features = q.shape
-    groups = in_features // NIBBLE_GROUP
+    groups = in_features // WEIGHT_GROUP
     q = nn.functional.pad(q, (0, 0, 0, rows - out_features))
-    by_pair = q.view(rows // BLOCK, BLOCK, groups, NIBBLE_GROUP // 2, 2).permute(0, 2, 3, 1, 4)
-    octets = by_pair.reshape(rows // BLOCK, groups, NIBBLE_GROUP // 2, 2, 2, 16)  # [..., high, h, 8 c x 2 k]
+    by_pair = q.view(rows // BLOCK, BLOCK, groups, WEIGHT_GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+    octets = by_pair.reshape(rows // BLOCK, groups, WEIGHT_GROUP // 2, 2, 2, 16)  # [..., high, h, 8 c x 2 k]
     packed = (octets[..., 0, :, :] | (octets[..., 1, :, :] << 4)).reshape(rows // BLOCK, groups, 512)
     if arena is not None:
         packed = arena.empty(packed.shape, packed.dtype).copy_(packed)
@@ -427,6 +482,26 @@ def to_nibbles(
     pairs = nn.functional.pad(pairs, (0, 0, 0, rows - out_features))
     scales = pairs.view(2, rows // BLOCK, BLOCK, groups).permute(1, 3, 0, 2)
     return packed.contiguous(), scales.reshape(rows // BLOCK, groups, 64).contiguous()
+
+
+def to_grouped_int8(
+    q: torch.Tensor, scale: torch.Tensor, rows: int, arena: PageArena | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 matrix with a scale per group of 32 inputs as the grouped product reads it
+    (``kernels/grouped_product.cpp``): per block of 32 columns and group of 32 k, 16 pairs of k, each
+    64 bytes, column c's k j at byte 2 c + j (the int8 bits in uint8). ``[rows / 32, in / 32, 1024]``
+    (in ``arena`` if given); and ``[rows / 32, in / 32, 32]``, each group's 32 scales (float16 bits as
+    int16). Padding columns (up to ``rows``) are zero."""
+    out_features, in_features = q.shape
+    groups = in_features // WEIGHT_GROUP
+    q = nn.functional.pad(q, (0, 0, 0, rows - out_features))
+    by_pair = q.view(rows // BLOCK, BLOCK, groups, WEIGHT_GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+    packed = by_pair.reshape(rows // BLOCK, groups, 32 * WEIGHT_GROUP).view(torch.uint8)
+    if arena is not None:
+        packed = arena.empty(packed.shape, packed.dtype).copy_(packed)
+    halves = nn.functional.pad(scale.to(torch.float16).view(torch.int16), (0, 0, 0, rows - out_features))
+    scales = halves.view(rows // BLOCK, BLOCK, groups).transpose(1, 2)
+    return packed.contiguous(), scales.contiguous()
 
 
 def _round_up(n: int) -> int:
@@ -460,7 +535,7 @@ def to_groups(quantized: torch.Tensor, rows: int, arena: PageArena | None = None
 
 def packed_bytes(module: nn.Linear | PackedLinear, weights: str) -> int:
     """The most bytes :func:`pack_linears` stores for this module's matrix in format ``weights``."""
-    if weights in ("int8", "int4"):  # int4 falls back to int8 for matrices it would store less closely
+    if weights in ("int8", "int4"):  # int4's matrices: 4 bits, or 8 (per group or output row)
         return _round_up(module.out_features) * -(-module.in_features // INT8_GROUP) * INT8_GROUP
     return _round_up(module.out_features) * module.in_features * 4
 

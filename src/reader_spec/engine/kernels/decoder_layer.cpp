@@ -22,26 +22,28 @@ namespace {
 using reader_spec::CacheView;
 
 // One packed matrix: [blocks, in, 32] float32; int8 in the integer product's layout ([blocks,
-// ceil(in / 4), 128] unsigned bytes) with one float32 scale per column; or 4-bit in the nibble
-// product's ([blocks, in / 32, 512] bytes) with float16 scales and minimums per group of 32 k (their
-// bits in an int16 tensor).
+// ceil(in / 4), 128] unsigned bytes) with one float32 scale per column; or quantized per group of 32 k
+// in the grouped product's (4-bit [blocks, in / 32, 512] or 8-bit [blocks, in / 32, 1024] bytes) with
+// float16 scales (and minimums) per group (their bits in an int16 tensor).
 struct Linear : torch::CustomClassHolder {
   at::Tensor weight, scales, bias;
   int64_t in_features, out_features;
-  bool nibbles = false;
+  int64_t group_bits = 0;  // 4 or 8 where quantized per group
 
   Linear(at::Tensor weight, c10::optional<at::Tensor> scales, c10::optional<at::Tensor> bias, int64_t in_features,
          int64_t out_features)
       : weight(std::move(weight)), in_features(in_features), out_features(out_features) {
     const bool quantized = this->weight.scalar_type() == at::kByte;
     TORCH_CHECK(quantized == (scales.has_value() && scales->defined()),
-                "Linear: int8 and 4-bit weights need scales, float32 none");
-    nibbles = quantized && scales->scalar_type() == at::kShort;  // float16 bits
+                "Linear: int8 and grouped weights need scales, float32 none");
+    const bool grouped = quantized && scales->scalar_type() == at::kShort;  // float16 bits
     int64_t depth = in_features, width = 32;
-    if (nibbles) {
-      TORCH_CHECK(in_features % reader_spec::kNibbleGroup == 0, "Linear: 4-bit weights need in % 32 == 0");
-      depth = in_features / reader_spec::kNibbleGroup;
-      width = 16 * reader_spec::kNibbleGroup;
+    if (grouped) {
+      TORCH_CHECK(in_features % reader_spec::kWeightGroup == 0, "Linear: grouped weights need in % 32 == 0");
+      TORCH_CHECK(this->weight.dim() == 3, "Linear: grouped weights are [blocks, in / 32, bytes per group]");
+      group_bits = reader_spec::weight_group_bits(this->weight.size(2));
+      depth = in_features / reader_spec::kWeightGroup;
+      width = this->weight.size(2);
     } else if (quantized) {
       depth = (in_features + reader_spec::kIntegerGroup - 1) / reader_spec::kIntegerGroup;
       width = 32 * reader_spec::kIntegerGroup;
@@ -49,15 +51,16 @@ struct Linear : torch::CustomClassHolder {
     TORCH_CHECK(this->weight.device().is_cpu() && this->weight.dim() == 3 && this->weight.size(1) == depth &&
                     this->weight.size(2) == width && this->weight.is_contiguous(),
                 "Linear: the weight must be a contiguous CPU [blocks, in, 32] (int8: [blocks, ceil(in / 4), 128], "
-                "4-bit: [blocks, in / 32, 512])");
-    TORCH_CHECK(quantized || this->weight.scalar_type() == at::kFloat, "Linear: float32, int8 or 4-bit weights");
+                "grouped: [blocks, in / 32, 512 or 1024])");
+    TORCH_CHECK(quantized || this->weight.scalar_type() == at::kFloat, "Linear: float32, int8 or grouped weights");
     TORCH_CHECK(out_features <= this->weight.size(0) * 32, "Linear: out_features exceeds the blocks");
     if (quantized) {
       this->scales = scales->contiguous();
-      const int64_t expected = nibbles ? this->weight.size(0) * depth * 64 : this->weight.size(0) * 32;
-      TORCH_CHECK((nibbles || this->scales.scalar_type() == at::kFloat) && this->scales.numel() >= expected,
-                  "Linear: one float32 scale per stored column (int8) or float16 scales and minimums per group "
-                  "(4-bit)");
+      const int64_t expected = grouped ? this->weight.size(0) * depth * reader_spec::weight_group_halves(group_bits)
+                                       : this->weight.size(0) * 32;
+      TORCH_CHECK((grouped || this->scales.scalar_type() == at::kFloat) && this->scales.numel() >= expected,
+                  "Linear: one float32 scale per stored column (int8) or float16 scales (and minimums) per group "
+                  "(grouped)");
     }
     if (bias.has_value() && bias->defined()) {
       this->bias = bias->contiguous();
@@ -71,11 +74,11 @@ struct Linear : torch::CustomClassHolder {
   void operator()(const float* x, int64_t rows, float* y, bool compiled) const {
     const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
     if (scales.defined()) {
-      TORCH_CHECK(compiled, "Linear: int8 and 4-bit weights run through the compiled kernels only");
-      if (nibbles) {
-        reader_spec::nibble_product(x, rows, weight.data_ptr<uint8_t>(),
-                                    reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()), in_features, b, y,
-                                    out_features);
+      TORCH_CHECK(compiled, "Linear: int8 and grouped weights run through the compiled kernels only");
+      if (group_bits) {
+        reader_spec::grouped_product(x, rows, weight.data_ptr<uint8_t>(),
+                                     reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()), in_features,
+                                     group_bits, b, y, out_features);
       } else {
         reader_spec::integer_product(x, rows, weight.data_ptr<uint8_t>(), in_features, scales.data_ptr<float>(), b,
                                      y, out_features, out_features, false);

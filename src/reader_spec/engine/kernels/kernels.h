@@ -191,15 +191,19 @@ std::vector<IntegerRow> integer_product(const float* x, int64_t rows, const uint
                                         const float* scales, const float* bias, float* y, int64_t ldy,
                                         int64_t columns, bool bounds);
 
-// 4-bit products (nibble_product.cpp): W[n][k] = d[n][g] q[n][k] + m[n][g] per group g of
-// kNibbleGroup k (q in 0..15, d and m float16), stored per block of 32 columns as that file says;
-// y = x @ W.T (+ bias) for `rows` rows, `columns` floats per row of y. k_size must be a multiple of
-// kNibbleGroup.
-constexpr int64_t kNibbleGroup = 32;
-void nibble_product(const float* x, int64_t rows, const uint8_t* weight, const uint16_t* scales, int64_t k_size,
-                    const float* bias, float* y, int64_t columns);
+// Products of weights quantized per group of kWeightGroup k of a column (grouped_product.cpp), as
+// GGUF stores them: 4 bits, W[n][k] = d[n][g] q[n][k] + m[n][g] (q in 0..15), or 8 bits,
+// W[n][k] = d[n][g] q[n][k] (q in -127..127), d and m float16, stored per block of 32 columns as that
+// file says; y = x @ W.T (+ bias) for `rows` rows, `columns` floats per row of y. k_size must be a
+// multiple of kWeightGroup. weight_group_bits: the bits of a layout with that many bytes per block
+// and group (checked); weight_group_halves: float16 values per block and group of its scales.
+constexpr int64_t kWeightGroup = 32;
+int64_t weight_group_bits(int64_t bytes_per_group);
+int64_t weight_group_halves(int64_t bits);
+void grouped_product(const float* x, int64_t rows, const uint8_t* weight, const uint16_t* scales, int64_t k_size,
+                     int64_t bits, const float* bias, float* y, int64_t columns);
 
-// What the product ops (blocked_linear, int8_linear, int4_linear) do around their kernel: `input`
+// What the product ops (blocked_linear, int8_linear, grouped_linear) do around their kernel: `input`
 // ([..., in_features], float32) seen as rows, the optional float32 bias checked (one per output),
 // and y = product(x, rows, bias or null, y) returned with input's leading shape.
 template <typename Product>

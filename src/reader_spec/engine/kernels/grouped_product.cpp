@@ -1,0 +1,258 @@
+// Products of weights quantized per group of 32 inputs of a column, as GGUF files store them
+// (kernels.h): 4 bits, W[n][k] = d[n][g] q[n][k] + m[n][g] with q in 0..15 (Q4_1); or 8 bits,
+// W[n][k] = d[n][g] q[n][k] with q in -127..127 (Q8_0); d and m float16. A matrix that came from such
+// a file is stored exactly, at 5 or 8.5 bits a weight.
+//
+// A row of x is rounded once per product to int16 (one scale per row, the full 15 bits: a group's
+// sums of 32 products stay far inside int32). Per group, the integer dot products of the row with
+// each column are exact; the group then adds d * sum (+ m * the sum of the row's integers in the
+// group) to a float accumulator, and the row's scale multiplies the total.
+//
+// Layout, per block of 32 columns and group of 32 k, 16 pairs of k:
+// - 4 bits ([blocks, in / 32, 512] bytes): each pair 32 bytes; bytes 0-15 hold columns 0-7 in their
+//   low nibbles and 16-23 in their high ones, bytes 16-31 columns 8-15 and 24-31, each column's two
+//   k side by side (column 8 h + c, k j at byte 16 h + 2 c + j). Widened to int16, a half's 16 bytes
+//   give 8 columns' k pairs twice (low nibbles, high nibbles).
+// - 8 bits ([blocks, in / 32, 1024] bytes, signed): each pair 64 bytes, column c's k j at byte 2 c + j.
+//   Widened to int16, each 16 bytes give 8 columns' k pairs.
+// vpmaddwd turns 8 columns' k pairs into one int32 per column: no lanes to fold or reorder.
+// Scales (and minimums) as float16 bits (held in int16 tensors), [blocks, in / 32, 64] for 4 bits (the
+// group's 32 scales, then its 32 minimums) and [blocks, in / 32, 32] for 8 bits.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define READER_GROUPED_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kGroupK = reader_spec::kWeightGroup;  // k per scale (and minimum)
+constexpr int64_t kPairs = kGroupK / 2;
+constexpr int kTileRows = 3;  // AVX2: 3 rows x 32 columns of int32 sums in 12 of the 16 ymm registers
+constexpr float kLargest = 32767;
+constexpr int64_t kPrefetchBytes = 2048;
+
+constexpr int64_t group_bytes(int bits) { return kBlock * kGroupK * bits / 8; }
+constexpr int64_t group_halves(int bits) { return bits == 4 ? 2 * kBlock : kBlock; }  // (d, m) or d
+
+// Rows of x as int16 with a scale each, and each group's sum of integers.
+struct QuantizedRows {
+  std::vector<int16_t> q;      // [rows][k]
+  std::vector<int32_t> sums;   // [rows][groups]
+  std::vector<float> scale;    // [rows]
+  std::vector<uint8_t> finite; // [rows]
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k_size) {
+  const int64_t groups = k_size / kGroupK;
+  QuantizedRows out{std::vector<int16_t>(rows * k_size), std::vector<int32_t>(rows * groups, 0),
+                    std::vector<float>(rows, 0.0f), std::vector<uint8_t>(rows, 1)};
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* h = x + r * k_size;
+    float largest = 0;
+    for (int64_t k = 0; k < k_size; ++k) {
+      const float magnitude = std::fabs(h[k]);
+      out.finite[r] = out.finite[r] && magnitude <= std::numeric_limits<float>::max();
+      largest = std::max(largest, magnitude);
+    }
+    const float scale = largest / kLargest;
+    out.scale[r] = scale;
+    if (!out.finite[r] || scale == 0) continue;
+    int16_t* q = out.q.data() + r * k_size;
+    for (int64_t k = 0; k < k_size; ++k) {
+      q[k] = static_cast<int16_t>(std::clamp(std::nearbyint(h[k] / scale), -kLargest, kLargest));
+      out.sums[r * groups + k / kGroupK] += q[k];
+    }
+  }
+  return out;
+}
+
+// acc[r][c] += d[c] * (sum over the group's k of q[r][k] * w[c][k]) (+ m[c] * group_sum[r]), for R
+// rows and one block of 32 columns, over all groups.
+template <int Bits, int R>
+void grouped_tile(const int16_t* q, int64_t k_size, const int32_t* sums, const uint8_t* w, const uint16_t* s,
+                  float (*acc)[kBlock]) {
+  constexpr int64_t kGroupBytes = group_bytes(Bits), kHalves = group_halves(Bits);
+  const int64_t groups = k_size / kGroupK;
+  for (int r = 0; r < R; ++r) std::fill(acc[r], acc[r] + kBlock, 0.0f);
+#ifdef READER_GROUPED_AVX2
+  constexpr int64_t kAhead = kPrefetchBytes / kGroupBytes;  // groups
+  const __m256i low_nibbles = _mm256_set1_epi16(0x0f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* bytes = w + g * kGroupBytes;
+    const uint16_t* scales = s + g * kHalves;
+    for (int64_t line = 0; line < kGroupBytes; line += 64) __builtin_prefetch(bytes + kPrefetchBytes + line);
+    for (int64_t line = 0; line < 2 * kHalves; line += 64) __builtin_prefetch(scales + kAhead * kHalves + line / 2);
+    __m256i dots[R][4];  // columns 0-7, 8-15, 16-23, 24-31
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < 4; ++j) dots[r][j] = _mm256_setzero_si256();
+    }
+    for (int64_t pair = 0; pair < kPairs; ++pair) {
+      const auto* line = reinterpret_cast<const __m128i*>(bytes + pair * (kGroupBytes / kPairs));
+      __m256i weights[4];
+      if constexpr (Bits == 4) {
+        for (int half = 0; half < 2; ++half) {
+          const __m256i widened = _mm256_cvtepu8_epi16(_mm_loadu_si128(line + half));
+          weights[half] = _mm256_and_si256(widened, low_nibbles);
+          weights[2 + half] = _mm256_srli_epi16(widened, 4);
+        }
+      } else {
+        for (int j = 0; j < 4; ++j) weights[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(line + j));
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t two;
+        std::memcpy(&two, q + r * k_size + g * kGroupK + 2 * pair, sizeof(two));
+        const __m256i x = _mm256_set1_epi32(two);
+        for (int j = 0; j < 4; ++j) dots[r][j] = _mm256_add_epi32(dots[r][j], _mm256_madd_epi16(weights[j], x));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 group_sum = _mm256_set1_ps(static_cast<float>(sums[r * groups + g]));
+      for (int j = 0; j < 4; ++j) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales) + j));
+        __m256 total = _mm256_loadu_ps(acc[r] + 8 * j);
+        if constexpr (Bits == 4) {
+          const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + kBlock) + j));
+          total = _mm256_fmadd_ps(m, group_sum, total);
+        }
+        _mm256_storeu_ps(acc[r] + 8 * j, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dots[r][j]), total));
+      }
+    }
+  }
+#else
+  // The same integers by plain loops (the float sums may round differently).
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* bytes = w + g * kGroupBytes;
+    const uint16_t* scales = s + g * kHalves;
+    for (int r = 0; r < R; ++r) {
+      int32_t dot[kBlock] = {};
+      for (int64_t pair = 0; pair < kPairs; ++pair) {
+        const int16_t* x = q + r * k_size + g * kGroupK + 2 * pair;
+        if constexpr (Bits == 4) {
+          for (int64_t b = 0; b < 32; ++b) {
+            const uint8_t byte = bytes[pair * 32 + b];
+            const int64_t column = 8 * (b / 16) + (b % 16) / 2;
+            dot[column] += (byte & 0x0f) * x[b % 2];
+            dot[16 + column] += (byte >> 4) * x[b % 2];
+          }
+        } else {
+          for (int64_t b = 0; b < 64; ++b) dot[b / 2] += static_cast<int8_t>(bytes[pair * 64 + b]) * x[b % 2];
+        }
+      }
+      for (int64_t c = 0; c < kBlock; ++c) {
+        const float d = c10::detail::fp16_ieee_to_fp32_value(scales[c]);
+        const float m = Bits == 4 ? c10::detail::fp16_ieee_to_fp32_value(scales[kBlock + c]) : 0.0f;
+        acc[r][c] += m * static_cast<float>(sums[r * groups + g]) + d * static_cast<float>(dot[c]);
+      }
+    }
+  }
+#endif
+}
+
+template <int Bits, int R = kTileRows>
+void grouped_rows(int rows, const int16_t* q, int64_t k_size, const int32_t* sums, const uint8_t* w,
+                  const uint16_t* s, float (*acc)[kBlock]) {
+  if constexpr (R > 1) {
+    if (rows < R) return grouped_rows<Bits, R - 1>(rows, q, k_size, sums, w, s, acc);
+  }
+  grouped_tile<Bits, R>(q, k_size, sums, w, s, acc);
+}
+
+template <int Bits>
+void grouped_blocks(const float* x, int64_t rows, const uint8_t* weight, const uint16_t* scales, int64_t k_size,
+                    const float* bias, float* y, int64_t columns) {
+  const int64_t groups = k_size / kGroupK, blocks = (columns + kBlock - 1) / kBlock;
+  const QuantizedRows quantized = quantize_rows(x, rows, k_size);
+  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    float acc[kTileRows][kBlock];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t count_columns = std::min(kBlock, columns - b * kBlock);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t first = t * rows / tiles;
+        const int count = static_cast<int>((t + 1) * rows / tiles - first);
+        grouped_rows<Bits>(count, quantized.q.data() + first * k_size, k_size, quantized.sums.data() + first * groups,
+                           weight + b * groups * group_bytes(Bits), scales + b * groups * group_halves(Bits), acc);
+        for (int r = 0; r < count; ++r) {
+          float* y_row = y + (first + r) * columns + b * kBlock;
+          const float scale = quantized.scale[first + r];
+          for (int64_t c = 0; c < count_columns; ++c) {
+            y_row[c] = quantized.finite[first + r] ? scale * acc[r][c] + (bias != nullptr ? bias[b * kBlock + c] : 0.0f)
+                                                   : std::numeric_limits<float>::quiet_NaN();
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+namespace reader_spec {
+
+int64_t weight_group_bits(int64_t bytes_per_group) {
+  TORCH_CHECK(bytes_per_group == group_bytes(4) || bytes_per_group == group_bytes(8),
+              "grouped weights: ", group_bytes(4), " (4-bit) or ", group_bytes(8), " (8-bit) bytes per block and group, not ",
+              bytes_per_group);
+  return bytes_per_group == group_bytes(4) ? 4 : 8;
+}
+
+int64_t weight_group_halves(int64_t bits) { return group_halves(static_cast<int>(bits)); }
+
+void grouped_product(const float* x, int64_t rows, const uint8_t* weight, const uint16_t* scales, int64_t k_size,
+                     int64_t bits, const float* bias, float* y, int64_t columns) {
+  if (bits == 4) {
+    grouped_blocks<4>(x, rows, weight, scales, k_size, bias, y, columns);
+  } else {
+    grouped_blocks<8>(x, rows, weight, scales, k_size, bias, y, columns);
+  }
+}
+
+}  // namespace reader_spec
+
+namespace {
+
+// x @ W.T (+ bias) for weights quantized per group in the layout above (4 or 8 bits, told by the
+// weight's last dimension), x in float32 of any shape [..., K].
+at::Tensor grouped_linear(const at::Tensor& input, const at::Tensor& weight, const at::Tensor& scales,
+                          const c10::optional<at::Tensor>& bias, int64_t in_features, int64_t out_features) {
+  TORCH_CHECK(in_features % kGroupK == 0, "grouped_linear: in_features must be a multiple of ", kGroupK);
+  const int64_t groups = in_features / kGroupK;
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
+                  weight.dim() == 3 && weight.size(1) == groups,
+              "grouped_linear: the weight must be contiguous uint8 [blocks, in / 32, bytes per group]");
+  const int64_t bits = reader_spec::weight_group_bits(weight.size(2));
+  TORCH_CHECK(out_features <= weight.size(0) * kBlock, "grouped_linear: out_features exceeds the blocks");
+  TORCH_CHECK(scales.device().is_cpu() && scales.scalar_type() == at::kShort && scales.is_contiguous() &&
+                  scales.numel() == weight.size(0) * groups * group_halves(static_cast<int>(bits)),
+              "grouped_linear: contiguous scales [blocks, in / 32, 64 (4-bit: scales, minimums) or 32 (8-bit)] "
+              "(float16 bits as int16)");
+  const auto* halves = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
+  return reader_spec::rows_product("grouped_linear", input, bias, in_features, out_features,
+                                   [&](const float* x, int64_t rows, const float* b, float* y) {
+                                     reader_spec::grouped_product(x, rows, weight.data_ptr<uint8_t>(), halves,
+                                                                  in_features, bits, b, y, out_features);
+                                   });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(reader_spec, m) {
+  m.def("grouped_linear(Tensor input, Tensor weight, Tensor scales, Tensor? bias, int in_features, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(reader_spec, CPU, m) { m.impl("grouped_linear", &grouped_linear); }
