@@ -18,7 +18,7 @@ from reader_spec.drafters.model.drafter import PassTimer
 from reader_spec.engine import kernels
 from reader_spec.engine.loop import Engine
 from reader_spec.engine.tree import DraftTree, Proposal, chain_proposal
-from reader_spec.engine.weights import dequantize_int4, quantize_int4
+from reader_spec.engine.weights import INT8_GROUPED, dequantize_int4, quantize_int4, quantize_int8_grouped
 from reader_spec.loading import LoadedModel, ModelLoadError
 from tests.conftest import make_tiny_llama, make_tiny_tokenizer
 from tests.engine.test_engine import FLAT_COSTS, NO_EOS, mixed_configs, random_prompts
@@ -138,33 +138,49 @@ def test_rasd_runs_the_draft_model_every_step_but_only_the_levels_that_pay(
     assert grown["dear"] == 0 and grown["flat"] > 20
 
 
-@pytest.fixture(scope="module")
-def four_bit(tiny) -> LoadedModel:
-    """The tiny model with every matrix on a 4-bit grid, as a model read from a Q4_1 file has them (built
-    anew: other tests pack ``tiny``'s own model in place)."""
+@pytest.fixture(scope="module", params=["gguf", "float"])
+def packed_target(tiny, request) -> tuple[LoadedModel, dict[str, str]]:
+    """The tiny model built anew (other tests pack ``tiny``'s own model in place), and how the int4
+    format must store its layers and output layer: ``gguf``, every layer matrix on Q4_1's grid and the
+    output layer on Q8_0's, as the default model has them (each comes back exactly); ``float``, its
+    own float weights (8 bits per group everywhere)."""
     model = make_tiny_llama()
-    for module in model.modules():
+    if request.param == "float":
+        return replace(tiny, model=model, name="tiny-float"), {"layers": INT8_GROUPED, "head": INT8_GROUPED}
+    for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
-            module.weight.copy_(dequantize_int4(*quantize_int4(module.weight)))
-    return replace(tiny, model=model, name="tiny-4-bit")
+            if name == "lm_head":
+                q, scale = quantize_int8_grouped(module.weight)
+                grid = q.view(*scale.shape, -1).float() * scale.float()[..., None]
+                module.weight.copy_(grid.view_as(module.weight))
+            else:
+                module.weight.copy_(dequantize_int4(*quantize_int4(module.weight)))
+    return replace(tiny, model=model, name="tiny-gguf"), {"layers": "int4", "head": INT8_GROUPED}
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-def test_the_self_draft_of_a_4_bit_model_is_its_own_weights_in_int4_and_exact(
-    four_bit, prompts, batch_size, sampled
+def test_the_self_draft_stores_what_int4_keeps_closest_and_stays_exact(
+    packed_target, prompts, batch_size, sampled
 ):
-    draft = load_draft_model("self", four_bit)
+    target, formats = packed_target
+    draft = load_draft_model("self", target)
     decoder = draft.model._reader_fast_decoder
-    assert decoder.stack is not None or not kernels.available()  # the compiled layers run int4 too
-    linears = [decoder.lm_head, *(linear for layer in decoder.layers for linear in layer.linears)]
-    assert all(linear.weight_format == "int4" for linear in linears)
+    assert decoder.stack is not None or not kernels.available()  # the compiled layers run both formats
+    assert decoder.lm_head.weight_format == formats["head"]
+    assert all(
+        linear.weight_format == formats["layers"] for layer in decoder.layers for linear in layer.linears
+    )
+    if target.name == "tiny-gguf":  # a GGUF file's weights come back exactly
+        for name, module in target.model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                assert torch.equal(draft.model.get_submodule(name).plain_weight(), module.weight), name
     configs = mixed_configs(len(prompts)) if sampled else NO_EOS
-    plain = Engine(four_bit).generate(prompts, configs)
-    engine = Engine(four_bit, ModelDrafter(draft, max_depth=5), budget=8, costs=FLAT_COSTS)
+    plain = Engine(target).generate(prompts, configs)
+    engine = Engine(target, ModelDrafter(draft, max_depth=5), budget=8, costs=FLAT_COSTS)
     outputs = engine.generate(prompts, configs, batch_size=batch_size)
     assert [o.tokens for o in outputs] == [o.tokens for o in plain]
-    if not sampled:  # the draft is the target's own weights: it drafts what the target emits
+    if not sampled and target.name == "tiny-gguf":  # the target's own weights: it drafts what it emits
         assert sum(o.stats.new_tokens for o in outputs) / sum(o.stats.steps for o in outputs) > 2.5
 
 
