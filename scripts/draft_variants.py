@@ -5,8 +5,9 @@ once; each variant then reads prompt + continuation in one forward (teacher forc
 of positions where its argmax equals the target's token is its agreement: the acceptance rate of a
 draft chain's next token under greedy verification. Variants are simulated in float32 (weights,
 and for the integer variants each linear layer's inputs, rounded to the format and back), so agreement
-measures the format, not a kernel. Then the engine's
-own passes are timed at batch 1: the target packed in float32 and the ``self`` draft packed in int8.
+measures the format, not a kernel; the last rows are the packed models themselves (their kernels
+included): ``--draft-model self`` as it is packed, and int8 per output row. Then the engine's own
+passes are timed at batch 1: the target packed in float32 and the ``self`` draft.
 
     .venv/bin/python scripts/draft_variants.py [--prompts 13] [--new-tokens 64]
 """
@@ -21,6 +22,7 @@ import torch
 from reader_spec.bench.spec_bench import load_questions, per_category
 from reader_spec.budget.probe import time_interleaved
 from reader_spec.drafters.model import self_draft
+from reader_spec.drafters.model.loading import SELF_WEIGHTS
 from reader_spec.engine.runner import ModelRunner
 from reader_spec.engine.tree import DraftTree
 from reader_spec.loading import load_model
@@ -125,6 +127,8 @@ def main() -> None:
             f"first {k} of {len(target.model.layers)} layers": (lambda k=k: first_layers(target, k))
             for k in (8, 16, 24)
         },
+        f"packed as --draft-model self ({SELF_WEIGHTS}: GGUF's groups)": lambda: self_draft(loaded).model,
+        "packed in int8 per output row": lambda: self_draft(loaded, "int8").model,
     }
     print("| variant | agreement |\n|---|---:|")
     for name, build in variants.items():
@@ -134,7 +138,7 @@ def main() -> None:
     packed_target = copy.deepcopy(target)
     times = {
         "target, float32": pass_milliseconds(packed_target, widths),
-        "self draft, int8": pass_milliseconds(draft, widths),
+        f"self draft, {SELF_WEIGHTS}": pass_milliseconds(draft, widths),
     }
     print("\nms per pass at batch 1, 256 tokens of context, by tokens in the pass")
     print("| model | " + " | ".join(map(str, widths)) + " |\n|---|" + "---:|" * len(widths))
