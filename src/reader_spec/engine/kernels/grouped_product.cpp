@@ -15,7 +15,8 @@
 //   give 8 columns' k pairs twice (low nibbles, high nibbles).
 // - 8 bits ([blocks, in / 32, 1024] bytes, signed): each pair 64 bytes, column c's k j at byte 2 c + j.
 //   Widened to int16, each 16 bytes give 8 columns' k pairs.
-// vpmaddwd turns 8 columns' k pairs into one int32 per column: no lanes to fold or reorder.
+// vpmaddwd turns 8 columns' k pairs into one int32 per column: no lanes to fold or reorder. With
+// AVX-512 VNNI, vpdpwssd does the same for 16 columns and adds in the same instruction.
 // Scales (and minimums) as float16 bits (held in int16 tensors), [blocks, in / 32, 64] for 4 bits (the
 // group's 32 scales, then its 32 minimums) and [blocks, in / 32, 32] for 8 bits.
 #include <ATen/ATen.h>
@@ -32,7 +33,10 @@
 
 #include "kernels.h"
 
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define READER_GROUPED_AVX512 1
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 #define READER_GROUPED_AVX2 1
 #endif
@@ -42,7 +46,11 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kGroupK = reader_spec::kWeightGroup;  // k per scale (and minimum)
 constexpr int64_t kPairs = kGroupK / 2;
+#ifdef READER_GROUPED_AVX512
+constexpr int kTileRows = 8;  // 8 rows x 32 columns of int32 sums in 16 of the 32 zmm registers
+#else
 constexpr int kTileRows = 3;  // AVX2: 3 rows x 32 columns of int32 sums in 12 of the 16 ymm registers
+#endif
 constexpr float kLargest = 32767;
 constexpr int64_t kPrefetchBytes = 2048;
 
@@ -63,6 +71,35 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k_size) {
                     std::vector<float>(rows, 0.0f), std::vector<uint8_t>(rows, 1)};
   for (int64_t r = 0; r < rows; ++r) {
     const float* h = x + r * k_size;
+    int16_t* q = out.q.data() + r * k_size;
+#ifdef READER_GROUPED_AVX512
+    // The plain loops below sixteen lanes at a time: the same division, rounding and clamp of each
+    // element (one at a time they took 8 us for 8 rows of 576, as long as the product).
+    __m512 largest16 = _mm512_setzero_ps();
+    __mmask16 finite = 0xffff;
+    for (int64_t k = 0; k < k_size; k += 16) {
+      const __m512 magnitude = _mm512_abs_ps(_mm512_loadu_ps(h + k));
+      finite &= _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_LE_OQ);
+      largest16 = _mm512_max_ps(largest16, magnitude);
+    }
+    out.finite[r] = finite == 0xffff;
+    const float scale = _mm512_reduce_max_ps(largest16) / kLargest;
+    out.scale[r] = scale;
+    if (!out.finite[r] || scale == 0) continue;
+    const __m512 scales = _mm512_set1_ps(scale);
+    for (int64_t k = 0; k < k_size; k += kGroupK) {
+      __m512i sums = _mm512_setzero_si512();
+      for (int64_t half = 0; half < kGroupK; half += 16) {
+        const __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(h + k + half), scales),
+                                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i integers = _mm512_cvtps_epi32(
+            _mm512_min_ps(_mm512_max_ps(rounded, _mm512_set1_ps(-kLargest)), _mm512_set1_ps(kLargest)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k + half), _mm512_cvtepi32_epi16(integers));
+        sums = _mm512_add_epi32(sums, integers);
+      }
+      out.sums[r * groups + k / kGroupK] = _mm512_reduce_add_epi32(sums);
+    }
+#else
     float largest = 0;
     for (int64_t k = 0; k < k_size; ++k) {
       const float magnitude = std::fabs(h[k]);
@@ -72,11 +109,11 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k_size) {
     const float scale = largest / kLargest;
     out.scale[r] = scale;
     if (!out.finite[r] || scale == 0) continue;
-    int16_t* q = out.q.data() + r * k_size;
     for (int64_t k = 0; k < k_size; ++k) {
       q[k] = static_cast<int16_t>(std::clamp(std::nearbyint(h[k] / scale), -kLargest, kLargest));
       out.sums[r * groups + k / kGroupK] += q[k];
     }
+#endif
   }
   return out;
 }
@@ -89,7 +126,54 @@ void grouped_tile(const int16_t* q, int64_t k_size, const int32_t* sums, const u
   constexpr int64_t kGroupBytes = group_bytes(Bits), kHalves = group_halves(Bits);
   const int64_t groups = k_size / kGroupK;
   for (int r = 0; r < R; ++r) std::fill(acc[r], acc[r] + kBlock, 0.0f);
-#ifdef READER_GROUPED_AVX2
+#if defined(READER_GROUPED_AVX512)
+  // A pair of k widened to int16 fills one zmm per 16 columns, and vpdpwssd multiplies and adds in
+  // one instruction: a third of AVX2's instructions per row, so a tile holds 12 rows and the
+  // weights' widening is shared by all of them. The integers and each column's float arithmetic are
+  // AVX2's, lane for lane: the same results.
+  constexpr int64_t kAhead = kPrefetchBytes / kGroupBytes;  // groups
+  const __m512i low_nibbles = _mm512_set1_epi16(0x0f);
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* bytes = w + g * kGroupBytes;
+    const uint16_t* scales = s + g * kHalves;
+    for (int64_t line = 0; line < kGroupBytes; line += 64) __builtin_prefetch(bytes + kPrefetchBytes + line);
+    for (int64_t line = 0; line < 2 * kHalves; line += 64) __builtin_prefetch(scales + kAhead * kHalves + line / 2);
+    __m512i dots[R][2];  // columns 0-15, 16-31
+    for (int r = 0; r < R; ++r) dots[r][0] = dots[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 16  // rolled, GCC copies every sum through another register at each step
+    for (int64_t pair = 0; pair < kPairs; ++pair) {
+      const uint8_t* line = bytes + pair * (kGroupBytes / kPairs);
+      __m512i weights[2];
+      if constexpr (Bits == 4) {
+        const __m512i widened = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line)));
+        weights[0] = _mm512_and_si512(widened, low_nibbles);
+        weights[1] = _mm512_srli_epi16(widened, 4);
+      } else {
+        for (int j = 0; j < 2; ++j) {
+          weights[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line) + j));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        int32_t two;
+        std::memcpy(&two, q + r * k_size + g * kGroupK + 2 * pair, sizeof(two));
+        const __m512i x = _mm512_set1_epi32(two);
+        for (int j = 0; j < 2; ++j) dots[r][j] = _mm512_dpwssd_epi32(dots[r][j], weights[j], x);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 group_sum = _mm512_set1_ps(static_cast<float>(sums[r * groups + g]));
+      for (int j = 0; j < 2; ++j) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales) + j));
+        __m512 total = _mm512_loadu_ps(acc[r] + 16 * j);
+        if constexpr (Bits == 4) {
+          const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + kBlock) + j));
+          total = _mm512_fmadd_ps(m, group_sum, total);
+        }
+        _mm512_storeu_ps(acc[r] + 16 * j, _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(dots[r][j]), total));
+      }
+    }
+  }
+#elif defined(READER_GROUPED_AVX2)
   constexpr int64_t kAhead = kPrefetchBytes / kGroupBytes;  // groups
   const __m256i low_nibbles = _mm256_set1_epi16(0x0f);
   for (int64_t g = 0; g < groups; ++g) {
