@@ -250,17 +250,25 @@ def test_realized_acceptance_follows_recent_steps_from_a_neutral_start():
             RealizedAcceptance(decay, prior)
 
 
-def test_the_floor_counts_every_weight_once_packed_or_not():
+@pytest.mark.parametrize("weights", ["float32", "int8", "int4"])
+def test_the_floor_counts_every_weight_once_packed_or_not(weights):
     from reader_spec.engine.decoder import FastDecoder
     from tests.conftest import make_tiny_llama
 
     model = make_tiny_llama()
     parameters = sum(p.numel() for p in model.parameters())  # a tied matrix is one parameter
     before = measure_floor(model, rounds=1)
-    FastDecoder(model)  # fused views of shared matrices, padded to whole blocks of 32 rows
+    FastDecoder(model, weights=weights)  # fused views of shared matrices, padded to whole blocks of 32 rows
     after = measure_floor(model, rounds=1)
     assert before.parameters == parameters and before.weight_bytes == 4 * parameters
-    assert parameters <= after.parameters <= 1.25 * parameters
+    assert not before.integer_products
+    # Multiply-adds a token costs, whatever the storage: not the padding rows, nor bytes taken for floats.
+    assert after.parameters == parameters
+    if weights == "float32":
+        assert parameters <= after.weight_bytes / 4 <= 1.25 * parameters and not after.integer_products
+    else:  # a quarter of float32's bytes or less (scales and padding included), integer products timed
+        assert after.weight_bytes < 0.4 * before.weight_bytes and after.integer_products
+        assert after.flops_per_second > 0
 
 
 def test_the_floor_is_bandwidth_until_compute_takes_longer():

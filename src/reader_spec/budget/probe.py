@@ -8,6 +8,7 @@ global random state.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from transformers import PreTrainedModel
 from reader_spec.engine import kernels
 from reader_spec.engine.runner import ModelRunner, max_context_of, synchronizer, text_config
 from reader_spec.engine.tree import DraftTree
-from reader_spec.engine.weights import BLOCK, ROW_BUCKETS, to_blocks
+from reader_spec.engine.weights import BLOCK, ROW_BUCKETS, PackedLinear, to_blocks
 
 PROBE_SEED = 0
 PROBE_ROUNDS = 9
@@ -92,7 +93,11 @@ class Floor:
     floor of a one-token pass higher than what the runner took)."""
     flops_per_second: float
     """Measured: a large float matrix product, by the faster of PyTorch's and the fast runner's kernels
-    (PyTorch's runs at 40% of the compiled kernel's rate on some CPUs, which would flatter the curve)."""
+    (PyTorch's runs at 40% of the compiled kernel's rate on some CPUs, which would flatter the curve);
+    for weights stored in integers, the model's own products at many rows (their multiply-adds are
+    integer ones, at another rate than float32's)."""
+    integer_products: bool = False
+    """Whether ``flops_per_second`` counts integer operations (weights stored in int8 or int4)."""
 
     def seconds(self, tokens: int) -> float:
         return max(
@@ -113,29 +118,54 @@ def _parameter_bytes(model: PreTrainedModel) -> int:
     return total
 
 
+def _parameter_count(model: PreTrainedModel) -> int:
+    """Multiply-adds of one token through every weight: a packed matrix counts its rows and columns
+    whatever its storage (4 bits, padding rows), any other parameter its elements, a tied one once."""
+    packed = [module for module in model.modules() if isinstance(module, PackedLinear)]
+    stored = {id(p) for module in packed for p in module.parameters(recurse=False)}
+    return sum(module.in_features * module.out_features for module in packed) + sum(
+        p.numel() for p in model.parameters() if id(p) not in stored
+    )
+
+
 def measure_floor(model: PreTrainedModel, rounds: int = 5) -> Floor:
     """This machine's floor for ``model``'s passes (a few seconds of measuring)."""
     weight_bytes = _parameter_bytes(model)
     device, dtype = model.device, model.dtype
-    parameters = weight_bytes // (torch.finfo(dtype).bits // 8)
+    parameters = _parameter_count(model)
     synchronize = synchronizer(device)
     buffer = torch.ones(weight_bytes // torch.finfo(dtype).bits * 8, dtype=dtype, device=device)
     size = 2048
     a = torch.ones(size, size, dtype=dtype, device=device)
     reads = {0: (buffer.sum, weight_bytes)}
     products = {1: (lambda: a @ a, 2 * size**3)}
+    rows = ROW_BUCKETS[-1]
     if device.type == "cpu" and dtype == torch.float32 and kernels.available():
         compiled = torch.ops.reader_spec.blocked_linear
         # The buffer read as a one-row pass reads a matrix (the kernel prefetches, a sum does not).
         blocks = buffer[: buffer.numel() // (size * BLOCK) * size * BLOCK].view(-1, size, BLOCK)
         row = torch.ones(1, size)
         reads[2] = (lambda: compiled(row, blocks, None, blocks.shape[0] * BLOCK), blocks.numel() * 4)
-        rows = ROW_BUCKETS[-1]
         blocked, x = to_blocks(a, size), torch.ones(rows, size)
         products[3] = (lambda: compiled(x, blocked, None, size), 2 * rows * size**2)
+    # Weights in integers: the rate of the model's own products, each kind of matrix alone (what a pass
+    # runs, without the calls between them), not float32's.
+    kinds = {
+        (m.in_features, m.out_features, m.weight_format): m
+        for m in model.modules()
+        if isinstance(m, PackedLinear) and m.scales is not None
+    }
+    if kinds:
+        products = {
+            4 + i: (
+                functools.partial(m, torch.ones(rows, m.in_features, dtype=dtype, device=device)),
+                2 * rows * m.in_features * m.out_features,
+            )
+            for i, m in enumerate(kinds.values())
+        }
     with torch.inference_mode():
         calls = {key: call for key, (call, _) in (reads | products).items()}
         times = time_interleaved(calls, rounds, synchronize)
     bandwidth = max(size_ / times[key] for key, (_, size_) in reads.items())
     flops = max(work / times[key] for key, (_, work) in products.items())
-    return Floor(weight_bytes, parameters, bandwidth, flops)
+    return Floor(weight_bytes, parameters, bandwidth, flops, integer_products=bool(kinds))

@@ -75,10 +75,11 @@ def _print_floor(engine: Engine) -> None:
     from reader_spec.budget.probe import measure_floor, probe_verify
 
     floor = measure_floor(engine.model)
+    unit = "OP" if floor.integer_products else "FLOP"
     print(
         f"\nfloor on this machine ({engine.runner_name} runner): {floor.weight_bytes / 1e6:.0f} MB "
         f"of weights at {floor.bytes_per_second / 1e9:.1f} GB/s read, "
-        f"{floor.parameters / 1e6:.1f}M parameters at {floor.flops_per_second / 1e9:.0f} GFLOP/s"
+        f"{floor.parameters / 1e6:.1f}M parameters at {floor.flops_per_second / 1e9:.0f} G{unit}/s"
     )
     print(f"tokens in a pass at batch 1, {PROBE_CONTEXT} tokens of context: measured ms / floor ms (ratio)")
     passes = probe_verify(engine.model, 1, range(FLOOR_WIDTHS), PROBE_CONTEXT, engine.runner_name)
