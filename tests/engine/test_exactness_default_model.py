@@ -135,7 +135,11 @@ def test_speculative_batch_1_equals_plain(smollm, smollm_engine, prompts, questi
 
 
 def test_speculative_batch_8_mixed_equals_plain(smollm, smollm_engine, prompts, questions, plain, drafter):
-    outputs = Engine(smollm_engine, drafter()).generate(prompts, CONFIG, batch_size=8)
+    # A fixed budget: priced by this machine's curves, a batch of 8 may find little to spare and draft
+    # little (52 tokens accepted in one run, after a calibration in a slow minute), which would leave
+    # the comparison with almost no verified tree.
+    engine = Engine(smollm_engine, drafter(), budget=8, adaptive_budget=False)
+    outputs = engine.generate(prompts, CONFIG, batch_size=8)
     assert_same_or_near_tie(smollm, prompts, questions, plain, [o.tokens for o in outputs], "batch 8")
     assert sum(o.stats.accepted for o in outputs) > 200
 
