@@ -14,7 +14,7 @@ from reader_spec.budget.costs import (
     save_costs,
 )
 from reader_spec.budget.probe import Floor, measure_floor, probe_verify, time_interleaved
-from reader_spec.budget.realized import DraftingGate, RealizedAcceptance, RealizedCost
+from reader_spec.budget.realized import EXTRA_RANGE, DraftingGate, RealizedAcceptance, RealizedCost
 from reader_spec.engine.tree import EMPTY_PROPOSAL, chain_proposal
 
 # Shaped like this machine's measured batch-1 curve (seconds by draft tokens): 7 drafts, 8 tree
@@ -286,23 +286,31 @@ def test_seconds_saved_weighs_expected_tokens_against_the_pass():
     assert seconds_saved(proposals, [0, 0], seconds) == 0.0
 
 
-def test_realized_cost_keeps_plain_and_drafted_passes_apart():
+def test_realized_cost_learns_the_plain_pass_and_the_drafts_extra_apart():
+    curve = [20.0 + 0.2 * n for n in range(9)]  # timed in a slow minute: plain dear, drafts cheap
     cost = RealizedCost(decay=1.0, prior=1.0, band=2.0)
-    assert cost.adjust([1.0, 2.0]) == [1.0, 2.0]
-    cost.record(False, predicted=1.0, measured=0.8)
-    cost.record(True, predicted=2.0, measured=2.4)
-    assert cost.ratio(False) == pytest.approx(0.9) and cost.ratio(True) == pytest.approx(1.1)
-    assert cost.adjust([1.0, 2.0, 3.0]) == pytest.approx([0.9, 2.2, 3.3])
-    cost.record(True, predicted=1.0, measured=5.0)  # stalled, or not this machine's curve
-    cost.record(False, predicted=1.0, measured=0.001)
-    assert cost.ratio(False) == pytest.approx(0.9) and cost.ratio(True) == pytest.approx(1.1)
-    fading = RealizedCost(decay=0.9, prior=0.01)
-    for _ in range(200):
-        fading.record(True, predicted=1.0, measured=1.5)
-    assert fading.ratio(True) == pytest.approx(1.5, abs=1e-3)
-    for _ in range(200):  # only plain passes: the drafted ratio goes back to the curve's
-        fading.record(False, predicted=1.0, measured=1.0)
-    assert fading.ratio(True) == pytest.approx(1.0, abs=1e-2)
+    assert cost.adjust(curve) == curve and cost.factors() == (1.0, 1.0)
+    for _ in range(50):
+        for n in range(9):  # what the passes cost since: 12 ms plain, 1.3 ms a draft token
+            cost.record(curve[0], curve[n], measured=12.0 + 1.3 * n)
+    base, extra = cost.factors()
+    assert base == pytest.approx(0.6, rel=0.02) and extra == pytest.approx(6.5, rel=0.05)
+    assert cost.adjust(curve) == pytest.approx([12.0 + 1.3 * n for n in range(9)], rel=0.02)
+    before = cost.factors()
+    cost.record(curve[0], curve[4], measured=100.0)  # stalled, or not this machine's curve
+    cost.record(curve[0], curve[0], measured=0.001)
+    assert cost.factors() == before
+
+
+def test_realized_cost_is_held_within_its_band_and_fades_back_to_the_curve():
+    cost = RealizedCost(decay=0.9, prior=0.01, band=2.0)
+    for _ in range(200):  # drafts whose pass costs no more than a plain one
+        cost.record(10.0, 10.0, measured=10.0)
+        cost.record(10.0, 12.0, measured=10.0)
+    assert cost.factors() == pytest.approx((1.0, 1 / EXTRA_RANGE), abs=0.02)
+    for _ in range(200):  # only plain passes, below the curve: the drafts' extra returns to 1
+        cost.record(10.0, 10.0, measured=8.0)
+    assert cost.factors() == pytest.approx((0.8, 1.0), abs=1e-2)
     for decay, prior, band in [(0.0, 1.0, 2.0), (0.9, 0.0, 2.0), (0.9, 1.0, 0.5)]:
         with pytest.raises(ValueError):
             RealizedCost(decay, prior, band)

@@ -49,17 +49,32 @@ class RealizedAcceptance:
         self.accepted = self.accepted * self.decay + accepted
 
 
-class RealizedCost:
-    """Measured pass seconds over the cost curve's, kept apart for plain passes and passes with drafts.
+EXTRA_SCALE = 0.02
+"""A pass's drafts as a share of a plain pass, for weighing ``RealizedCost``'s prior on their extra:
+its prior steps are passes whose drafts add this much (one to eight draft tokens add 10-100% to a
+plain pass at batch 1 on this project's CPUs; a curve timed in a slow minute priced nine at 4%)."""
+EXTRA_RANGE = 16.0
+"""``RealizedCost``'s extra stays within [1 / this, this]: the curve of session 30's slow minute
+priced a draft token at a fourteenth of what the next calibration measured (0.1 against 1.46 ms)."""
 
-    The curve is timed on synthetic passes in a quiet moment; in a running engine a plain pass and a
-    pass with drafts depart from it differently (on the development machine at batch 8, plain passes
-    ran below the curve and passes with drafts above it; docs/runner.md has the figures),
-    and what the allocation weighs is the difference. Each ratio is a decayed mean over steps of its
-    kind, starting from ``prior`` steps at 1. A pass more than ``band`` times off the curve either
-    way is not counted: a burst of other work stalled it, or the curve is not this machine's (tests
-    price passes in made-up seconds). Both fade every step, so the drafted ratio of a batch that
-    stopped drafting returns to the curve's.
+
+class RealizedCost:
+    """Measured pass seconds against the cost curve's, as a plain pass and the drafts' extra apart.
+
+    The curve is timed on synthetic passes once; a running engine's passes depart from it, and not by
+    one factor. At batch 8 plain passes ran below the curve and passes with drafts above it
+    (docs/runner.md), and a curve timed while the host streamed memory slowly (a Zen 4 host here
+    switches between about 51 and 35 GB/s for seconds at a time) prices the plain pass high and each
+    draft token low, so that trees come out too large in every later run. So a pass of ``n`` drafts
+    is taken to cost ``base * t(0) + extra * (t(n) - t(0))`` of the curve's ``t``, and the two factors
+    are fitted to the measured passes by least squares (each pass relative to its plain entry, so long
+    and short contexts weigh alike), over recent steps: every step fades what came before by
+    ``decay``, and ``prior`` steps at a factor of 1 (for ``extra``, steps whose drafts add
+    ``EXTRA_SCALE`` to the pass) hold each where the passes say little about it, so that ``extra``
+    returns to 1 while no pass has drafts. A pass more than ``band`` times off the curve either way
+    is not counted: a burst of other work stalled it, or the curve is not this machine's (tests price
+    passes in made-up seconds). ``base`` stays within that band and ``extra`` within
+    ``EXTRA_RANGE``, so that a few noisy passes cannot make drafts look free.
     """
 
     def __init__(self, decay: float = 0.98, prior: float = 4.0, band: float = 2.0) -> None:
@@ -68,28 +83,37 @@ class RealizedCost:
         self.decay = decay
         self.prior = prior
         self.band = band
-        self._sums = {False: [0.0, 0.0], True: [0.0, 0.0]}
-        """with drafts -> [decayed sum of ratios, decayed count]"""
+        self._sums = [0.0] * 5
+        """Decayed sums over passes of 1, u, u^2, y and u*y, where y is measured seconds and u the
+        curve's extra for the drafts, both over the curve's plain entry."""
 
-    def ratio(self, drafted: bool) -> float:
-        total, count = self._sums[drafted]
-        return (total + self.prior) / (count + self.prior)
+    def factors(self) -> tuple[float, float]:
+        """``(base, extra)``: what the plain pass and the drafts' extra cost against the curve."""
+        count, u, uu, y, uy = self._sums
+        # Minimise sum (y - base - extra u)^2 + prior (base - 1)^2 + prior EXTRA_SCALE^2 (extra - 1)^2.
+        held = self.prior * EXTRA_SCALE**2
+        a, b, d = count + self.prior, u, uu + held
+        e, f = y + self.prior, uy + held
+        determinant = a * d - b * b
+        base = min(max((e * d - b * f) / determinant, 1.0 / self.band), self.band)
+        extra = min(max((a * f - b * e) / determinant, 1.0 / EXTRA_RANGE), EXTRA_RANGE)
+        return base, extra
 
-    def record(self, drafted: bool, predicted: float, measured: float) -> None:
-        for sums in self._sums.values():
-            sums[0] *= self.decay
-            sums[1] *= self.decay
-        ratio = measured / predicted
-        if not 1.0 / self.band <= ratio <= self.band:
+    def record(self, plain: float, predicted: float, measured: float) -> None:
+        """One step's pass: the curve's seconds for a plain pass and for the pass as verified, and the
+        seconds it took."""
+        self._sums = [total * self.decay for total in self._sums]
+        if not 1.0 / self.band <= measured / predicted <= self.band:
             return
-        sums = self._sums[drafted]
-        sums[0] += ratio
-        sums[1] += 1.0
+        u, y = (predicted - plain) / plain, measured / plain
+        for i, term in enumerate((1.0, u, u * u, y, u * y)):
+            self._sums[i] += term
 
     def adjust(self, seconds: Sequence[float]) -> list[float]:
         """A cost table (seconds by draft tokens) as passes have been costing."""
-        plain, drafted = self.ratio(False), self.ratio(True)
-        return [seconds[0] * plain, *(t * drafted for t in seconds[1:])]
+        base, extra = self.factors()
+        plain = seconds[0]
+        return [plain * base + (t - plain) * extra for t in seconds]
 
 
 @dataclass

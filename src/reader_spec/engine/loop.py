@@ -54,8 +54,8 @@ class _Drafts:
     proposals: list[Proposal]
     trees: list[DraftTree]
     seconds: float
-    predicted: float | None = None
-    """What the cost curve says the step's pass costs (None: the budget is not priced)."""
+    predicted: tuple[float, float] | None = None
+    """What the cost curve says a plain pass and the step's pass cost (None: the budget is not priced)."""
 
 
 @dataclass(frozen=True)
@@ -294,7 +294,7 @@ class Engine:
         runner.cache.commit_rows([s.row for s in batch], paths)
         self.realized.record(expected, accepted)
         if drafts.predicted is not None:
-            self.realized_cost.record(any(drafts.proposals), drafts.predicted, verify_seconds)
+            self.realized_cost.record(*drafts.predicted, verify_seconds)
 
     def _draft(self, runner: ModelRunner, batch: list[DecodingSequence]) -> _Drafts:
         """Each sequence's proposal, cut to the share of the step's budget the allocation gives it."""
@@ -309,22 +309,26 @@ class Engine:
                 if gate is not None:
                     gate.record(len(batch), saved, time.perf_counter() - started)
             else:
-                predicted = self.costs.seconds(len(batch), 0, context)
+                plain = self.costs.seconds(len(batch), 0, context)
+                predicted = (plain, plain)
         elif self.budget > 0:
             proposals = [p.truncated(self.budget) for p in propose_all(self.drafter, keys, self.budget)]
         trees = [DraftTree.from_proposal(s.tokens[-1], p) for s, p in zip(batch, proposals, strict=True)]
         return _Drafts(proposals, trees, time.perf_counter() - started, predicted)
 
-    def _priced_proposals(self, keys: list[int], context: float) -> tuple[list[Proposal], float, float]:
+    def _priced_proposals(
+        self, keys: list[int], context: float
+    ) -> tuple[list[Proposal], tuple[float, float], float]:
         """The batch's proposals cut by the allocation (priced by the cost curve as passes have been
-        costing), what the curve says their pass costs, and the seconds they are expected to save."""
+        costing), what the curve says a plain pass and their pass cost, and the seconds they are
+        expected to save."""
         curve = self.costs.table(len(keys), len(keys) * self.budget, context)
         seconds = self.realized_cost.adjust(curve)
         proposals = propose_all(self.drafter, keys, self.budget, seconds)
         factor = self.realized.factor
         counts = allocate(proposals, seconds, self.budget, factor)
         proposals = [p.truncated(n) for p, n in zip(proposals, counts, strict=True)]
-        return proposals, curve[sum(counts)], seconds_saved(proposals, counts, seconds, factor)
+        return proposals, (curve[0], curve[sum(counts)]), seconds_saved(proposals, counts, seconds, factor)
 
     def _accept(self, seq: DecodingSequence, proposal: Proposal, tree: DraftTree, scores) -> list[int]:
         """Walk the tree with the request's acceptance rule and keep what the limits allow; returns the
