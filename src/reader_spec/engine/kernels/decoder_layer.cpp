@@ -195,7 +195,7 @@ struct DecoderLayer : torch::CustomClassHolder {
     float* p = projected.data_ptr<float>();
     (*qkv)(normed.data_ptr<float>(), tokens, p, compiled[0]);
     at::Tensor queries = at::empty({tokens, heads, head_dim}, options);
-    for (int64_t t = 0; t < tokens; ++t) {
+    reader_spec::for_rows(tokens, [&](int64_t t) {
       float* query_key = p + t * qkv->out_features;
       if (query_norm.defined()) {  // in place, each head alone
         reader_spec::add_rms_norm_rows(query_key, nullptr, query_norm.data_ptr<float>(), epsilon, heads, head_dim,
@@ -206,7 +206,7 @@ struct DecoderLayer : torch::CustomClassHolder {
       reader_spec::rotary_store_token(query_key, query_key + value_start, cos.data_ptr<float>() + t * head_dim,
                                       sin.data_ptr<float>() + t * head_dim, heads, cache, rows[t], positions[t],
                                       queries.data_ptr<float>() + t * heads * head_dim);
-    }
+    });
     at::Tensor attended = at::empty({tokens, heads * head_dim}, options);
     const reader_spec::Visibility visibility{visible.data_ptr<bool>(), visible.size(1), visible.size(2), trees,
                                              offsets, rows};
