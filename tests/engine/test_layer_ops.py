@@ -68,20 +68,46 @@ def test_rotary_store_rotates_queries_and_keys_and_writes_only_the_tokens_cells(
     assert torch.equal(values.transpose(1, 2)[~written], untouched_values.transpose(1, 2)[~written])
 
 
-def test_a_rows_result_does_not_depend_on_the_rest_of_the_pass(ops):
+@pytest.mark.parametrize("rows", [7, 300])  # 300: a prompt's chunk, its rows split between threads
+def test_a_rows_result_does_not_depend_on_the_rest_of_the_pass(ops, rows):
     """What makes speculation exact on the fast runner: a token's arithmetic is the same in a pass of
-    one token and in a tree of many."""
+    one token and in a tree of many, and in a prompt whose rows the threads share."""
     torch.manual_seed(3)
-    hidden, residual, weight = torch.randn(7, 96), torch.randn(7, 96), torch.randn(96)
-    together = ops.add_rms_norm(hidden.clone(), residual, weight, 1e-5)
-    gate_up = torch.randn(7, 128)
-    gated = ops.silu_mul(gate_up[:, :64], gate_up[:, 64:])
-    for row in range(7):
-        alone = ops.add_rms_norm(hidden[row : row + 1].clone(), residual[row : row + 1], weight, 1e-5)
-        assert torch.equal(alone[0], together[row])
-        assert torch.equal(
-            ops.silu_mul(gate_up[row : row + 1, :64], gate_up[row : row + 1, 64:])[0], gated[row]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        hidden, residual, weight = torch.randn(rows, 96), torch.randn(rows, 96), torch.randn(96)
+        together = ops.add_rms_norm(hidden.clone(), residual, weight, 1e-5)
+        gate_up = torch.randn(rows, 128)
+        gated = ops.silu_mul(gate_up[:, :64], gate_up[:, 64:])
+        query_key, value = torch.randn(rows, 5, 16), torch.randn(rows, 1, 16)
+        cos, sin = torch.randn(rows, 16), torch.randn(rows, 16)
+        keys, values = torch.zeros(2, 1, rows, 16), torch.zeros(2, 1, rows, 16)
+        positions = torch.arange(rows)
+        queries = ops.rotary_store(
+            query_key, value, cos, sin, keys, values, torch.zeros(rows, dtype=torch.long), positions, 4
         )
+        for row in range(rows):
+            alone = ops.add_rms_norm(hidden[row : row + 1].clone(), residual[row : row + 1], weight, 1e-5)
+            assert torch.equal(alone[0], together[row])
+            assert torch.equal(
+                ops.silu_mul(gate_up[row : row + 1, :64], gate_up[row : row + 1, 64:])[0], gated[row]
+            )
+            one = ops.rotary_store(
+                query_key[row : row + 1],
+                value[row : row + 1],
+                cos[row : row + 1],
+                sin[row : row + 1],
+                keys,
+                values,
+                torch.ones(1, dtype=torch.long),
+                positions[row : row + 1],
+                4,
+            )
+            assert torch.equal(one[0], queries[row])
+        assert torch.equal(keys[1], keys[0]) and torch.equal(values[1], values[0])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_bad_operands_are_refused_with_a_reason(ops):
@@ -203,6 +229,36 @@ def test_a_tree_token_attends_bitwise_as_in_plain_decoding(ops):
             0.0,
         )
         assert torch.equal(plain[0], tree[node])
+
+
+def test_a_prompts_tokens_attend_bitwise_as_one_at_a_time(ops):
+    """A causal prompt's runs of tokens are shared between threads in an order that balances their
+    keys; each token's output must be the bits it gets when it is the only token of a pass."""
+    torch.manual_seed(5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tokens, heads, kv_heads, dim = 150, 9, 3, 64
+        keys, values = torch.randn(2, 1, kv_heads, tokens, dim)
+        query = torch.randn(tokens, heads, dim)
+        causal = torch.ones(1, tokens, tokens, dtype=torch.bool).tril_()
+        zeros = torch.zeros(tokens, dtype=torch.long)
+        prompt = ops.attention(query, keys, values, causal, zeros, torch.arange(tokens), zeros, 0.125, 0.0)
+        for t in range(tokens):
+            alone = ops.attention(
+                query[t : t + 1].contiguous(),
+                keys,
+                values,
+                torch.ones(1, 1, t + 1, dtype=torch.bool),
+                zeros[:1],
+                zeros[:1],
+                zeros[:1],
+                0.125,
+                0.0,
+            )
+            assert torch.equal(alone[0], prompt[t])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_attention_refuses_tokens_outside_its_operands(ops):
