@@ -229,7 +229,7 @@ at::Tensor rows_product(const char* op, const at::Tensor& input, const c10::opti
 
 // Rows per thread below which a row-wise op runs on the calling thread alone: a pass of a few tokens
 // would wait longer for the other threads than its rows take, while a prompt's chunk of hundreds of
-// rows on one thread left the others idle (its norms, gating and rotary embedding: 3-4% of a prefill).
+// rows on one thread leaves the others idle (docs/runner.md, "A prompt on both threads").
 constexpr int64_t kRowsPerThread = 64;
 
 // fn(r) for every row r in [0, rows), split between threads where there are enough rows. Each row is

@@ -508,8 +508,7 @@ void attend(const float* query, int64_t tokens, int64_t heads, const CacheView& 
     for (int64_t item = begin; item < end; ++item) {
       // Runs in the order first, last, second, second to last...: a thread takes a contiguous share of
       // the items, and a prompt's later runs see more keys, so in cache order the last of two threads
-      // had three times the first's work in a causal chunk (a 512-token chunk's attention: 3.7 ms a
-      // layer in cache order, 2.7 in this one).
+      // would get three times the first's work in a causal chunk (docs/runner.md).
       const int64_t order = item / cache.kv_heads, kv_head = item % cache.kv_heads;
       const int64_t run = order % 2 == 0 ? order / 2 : runs - 1 - order / 2;
       const int64_t first = starts[run], count = starts[run + 1] - first;
