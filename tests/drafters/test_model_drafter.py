@@ -166,7 +166,8 @@ def test_the_self_draft_stores_what_int4_keeps_closest_and_stays_exact(
     target, formats = packed_target
     draft = load_draft_model("self", target)
     decoder = draft.model._reader_fast_decoder
-    assert decoder.stack is not None or not kernels.available()  # the compiled layers run both formats
+    if kernels.available() and target.model.device.type == "cpu":  # the compiled layers run both formats
+        assert decoder.stack is not None
     assert decoder.lm_head.weight_format == formats["head"]
     assert all(
         linear.weight_format == formats["layers"] for layer in decoder.layers for linear in layer.linears

@@ -8,11 +8,13 @@ from reader_spec.engine.kv_cache import RaggedKVCache
 
 
 def _filled_cache(num_layers: int, rows: int, capacity: int, lengths: list[int]) -> RaggedKVCache:
-    cache = RaggedKVCache(num_layers, rows, capacity, device="cpu")
+    """A cache on the tests' device, its entries drawn on the CPU (the same everywhere)."""
+    device = torch.get_default_device()
+    cache = RaggedKVCache(num_layers, rows, capacity, device=device)
     generator = torch.Generator().manual_seed(0)
     for layer in cache.layers:
-        layer.keys = torch.randn(rows, 2, capacity, 4, generator=generator)
-        layer.values = torch.randn(rows, 2, capacity, 4, generator=generator)
+        layer.keys = torch.randn(rows, 2, capacity, 4, generator=generator, device="cpu").to(device)
+        layer.values = torch.randn(rows, 2, capacity, 4, generator=generator, device="cpu").to(device)
         layer.is_initialized = True
     cache.lengths[:] = torch.tensor(lengths)
     return cache
