@@ -36,6 +36,19 @@ constexpr int64_t kBlock = 32;
 // AMD EPYC, Zen 3).
 template <int R>
 constexpr int64_t kPrefetchBytes = std::max<int64_t>(3072, 1024 * R);
+
+// Whether a product of `rows` rows has its tiles request their blocks' weights ahead at all. With
+// AVX-512 (an AMD EPYC, Zen 4) a product of 2 to 8 rows, one tile, reads faster leaving it to the
+// hardware: whole passes of 2-8 tokens 2-8% faster, while 12 rows were 4% slower and 13-14 (two tiles)
+// 3% (docs/runner.md, "Tiles of a few rows without requests"). AVX2 hosts request from 2 rows, as
+// measured on a Zen 3.
+bool requests_ahead(int64_t rows) {
+#ifdef __AVX512F__
+  return rows > 8;
+#else
+  return rows > 1;
+#endif
+}
 #ifdef __AVX512F__
 constexpr int kMaxRows = 12;  // 24 accumulators + 2 weight vectors of the 32 zmm registers
 #else
@@ -65,16 +78,18 @@ struct NextBlock {
 // is: it only decides how many independent sums are in flight.
 template <int R>
 void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y, int64_t ldy,
-          int64_t columns, const NextBlock& next = {}) {
+          int64_t columns, const NextBlock& next = {}, bool ahead = true) {
   Vec16 sums[R][2];
   for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = Vec16{};
   for (int64_t k = 0; k < k_size; ++k) {
     if (next.bytes != nullptr) __builtin_prefetch(next.bytes + ((k * next.step) >> 16));
     const float* w_k = w + k * kBlock;
     if constexpr (R > 1) {  // see kPrefetchBytes
-      const char* bytes = reinterpret_cast<const char*>(w_k);
-      __builtin_prefetch(bytes + kPrefetchBytes<R>);
-      __builtin_prefetch(bytes + kPrefetchBytes<R> + 64);
+      if (ahead) {
+        const char* bytes = reinterpret_cast<const char*>(w_k);
+        __builtin_prefetch(bytes + kPrefetchBytes<R>);
+        __builtin_prefetch(bytes + kPrefetchBytes<R> + 64);
+      }
     }
     const Vec16 low = load(w_k), high = load(w_k + 16);  // columns 0..15 and 16..31
     for (int r = 0; r < R; ++r) {
@@ -151,14 +166,14 @@ void half_block_tile(const float* x, int64_t ldx, const float* w, int64_t k_size
 // `rows` (at most kMaxRows) rows times one block, through the tile that holds exactly that many rows.
 template <int R = kMaxRows>
 void rows_tile(int rows, const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y,
-               int64_t ldy, int64_t columns, const NextBlock& next = {}) {
+               int64_t ldy, int64_t columns, const NextBlock& next = {}, bool ahead = true) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_tile<R - 1>(rows, x, ldx, w, k_size, bias, y, ldy, columns, next);
+    if (rows < R) return rows_tile<R - 1>(rows, x, ldx, w, k_size, bias, y, ldy, columns, next, ahead);
   }
 #if !defined(__AVX512F__) && defined(__AVX__)
   if constexpr (R >= kHalfBlockRows) return half_block_tile<R>(x, ldx, w, k_size, bias, y, ldy, columns, next);
 #endif
-  tile<R>(x, ldx, w, k_size, bias, y, ldy, columns, next);
+  tile<R>(x, ldx, w, k_size, bias, y, ldy, columns, next, ahead);
 }
 
 // How `rows` rows are cut into tiles, each at most kMaxRows. AVX-512: equal tiles (16 rows: two of 8,
@@ -212,6 +227,7 @@ void product(const float* x_data, int64_t rows, const float* w_data, int64_t k_s
   const int64_t row_bytes = k_size * static_cast<int64_t>(sizeof(float));
   const int64_t tiles_per_share = std::max<int64_t>(1, rows_bytes_in_l2() / (row_bytes * kMaxRows));
   const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(float));
+  const bool ahead = requests_ahead(rows);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t first_tile = 0; first_tile < tiles; first_tile += tiles_per_share) {
       const int64_t last_tile = std::min(tiles, first_tile + tiles_per_share);
@@ -229,7 +245,7 @@ void product(const float* x_data, int64_t rows, const float* w_data, int64_t k_s
           const int64_t column = b * kBlock;
           rows_tile(sizes[t], x_data + starts[t] * k_size, k_size, w_data + b * block_stride, k_size,
                     bias_data == nullptr ? nullptr : bias_data + column, y_data + starts[t] * out_features + column,
-                    out_features, std::min(kBlock, out_features - column), next);
+                    out_features, std::min(kBlock, out_features - column), next, ahead);
         }
       }
     }
