@@ -15,6 +15,7 @@ from reader_spec.budget.costs import (
 )
 from reader_spec.budget.probe import Floor, measure_floor, probe_verify, time_interleaved
 from reader_spec.budget.realized import EXTRA_RANGE, DraftingGate, RealizedAcceptance, RealizedCost
+from reader_spec.engine.runner import ModelRunner
 from reader_spec.engine.tree import EMPTY_PROPOSAL, chain_proposal
 
 # Shaped like this machine's measured batch-1 curve (seconds by draft tokens): 7 drafts, 8 tree
@@ -90,6 +91,20 @@ def test_batches_probed_cover_every_batch_size_by_interpolation():
     assert probed_batches(1) == [1]
     assert probed_batches(3) == [1, 2, 4]
     assert probed_batches(8) == [1, 2, 4, 8]
+
+
+def test_the_probe_times_passes_over_the_models_own_greedy_text(tiny):
+    """After a random start the probe's context and drafts are what greedy decoding would write, so
+    the greedy head sees text the model is sure of, as in real requests, not noise."""
+    context, width = 12, 4
+    runner = ModelRunner(tiny.model, 1, context + width)
+    tokens = probe._probe_text(runner, context, width, tiny.model.config.vocab_size)
+    assert len(tokens) == context + width
+    assert int(runner.cache.lengths[0]) == context
+    random_start = context - min(probe.NATURAL_TOKENS, context - 1)
+    with torch.inference_mode():
+        greedy = tiny.model(torch.tensor([tokens[:-1]])).logits[0].argmax(-1).tolist()
+    assert greedy[random_start - 1 :] == tokens[random_start:]
 
 
 def test_probing_leaves_the_global_random_state_alone(tiny):

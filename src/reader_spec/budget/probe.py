@@ -23,6 +23,7 @@ from reader_spec.engine.weights import BLOCK, ROW_BUCKETS, PackedLinear, to_bloc
 
 PROBE_SEED = 0
 PROBE_ROUNDS = 9
+NATURAL_TOKENS = 64
 
 
 def probe_verify(
@@ -35,16 +36,14 @@ def probe_verify(
     positions = max_context_of(model.config)
     if positions is not None:  # a model with few positions (GPT-2: 1,024) is probed at its longest
         context = max(1, min(context, positions - most // batch - 2))
-    probe = ModelRunner(model, batch, context + most // batch + 2, runner)
-    generator = torch.Generator().manual_seed(PROBE_SEED)
-    vocab = text_config(model.config).vocab_size
-    tokens = torch.randint(0, vocab, (context,), generator=generator, device="cpu").tolist()
-    probe.prefill(0, tokens)
+    widest = most // batch + 2
+    probe = ModelRunner(model, batch, context + widest, runner)
+    tokens = _probe_text(probe, context, widest, text_config(model.config).vocab_size)
     for row in range(1, batch):
         probe.cache.copy_row(0, row)
 
     def chain(width: int) -> DraftTree:
-        return DraftTree([tokens[i % context] for i in range(width)], list(range(-1, width - 1)))
+        return DraftTree(tokens[context : context + width], list(range(-1, width - 1)))
 
     def verify(total: int) -> Callable[[], object]:
         trees = [chain(1 + total // batch + (row < total % batch)) for row in range(batch)]
@@ -53,6 +52,27 @@ def probe_verify(
 
     calls = {total: verify(total) for total in drafted}
     return time_interleaved(calls, synchronize=synchronizer(model.device))
+
+
+def _probe_text(probe: ModelRunner, context: int, width: int, vocab: int) -> list[int]:
+    """``context`` tokens in cache row 0 of ``probe`` and the ``width`` tokens after them: random
+    tokens, then the model's own greedy text (its last ``NATURAL_TOKENS`` and everything after).
+
+    The passes are timed on text the model would accept: on random tokens alone it is unsure of every
+    next token, and the greedy head then computes tens of float32 column blocks a row where text needs
+    a few, which priced passes of 12-32 tokens 15-17% above what they cost on text (docs/runner.md,
+    "The probe's text").
+    """
+    generator = torch.Generator().manual_seed(PROBE_SEED)
+    natural = min(NATURAL_TOKENS, context - 1)
+    tokens = torch.randint(0, vocab, (context - natural,), generator=generator, device="cpu").tolist()
+    probe.prefill(0, tokens[:-1])
+    while len(tokens) < context + width:
+        (token,) = probe.verify([DraftTree([tokens[-1]], [-1])], [0], [True])[0].tolist()
+        probe.cache.commit(0, [0])
+        tokens.append(token)
+    probe.cache.lengths[0] = context
+    return tokens
 
 
 def time_interleaved(
