@@ -2,8 +2,8 @@
 
 A curve's points are timed in interleaved rounds, keeping each point's fastest round: load from other
 processes only ever adds time, comes in bursts on shared cores, and would otherwise bend the curve.
-Probe inputs come from a private random generator, so that calibrating never moves the caller's
-global random state.
+Passes are timed on the model's own greedy text, started from tokens of a private random generator,
+so that calibrating never moves the caller's global random state.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from reader_spec.engine.weights import BLOCK, ROW_BUCKETS, PackedLinear, to_bloc
 PROBE_SEED = 0
 PROBE_ROUNDS = 9
 NATURAL_TOKENS = 64
+"""Greedy tokens at the end of a probe's context, after its random start (see :func:`_probe_text`)."""
 
 
 def probe_verify(
