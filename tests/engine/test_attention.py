@@ -6,9 +6,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import reader_spec.engine.attention as attention
 from reader_spec.engine.attention import (
-    ATTENTION_CALL_COST,
+    MOST_CALL_COST,
     PACKED_EAGER,
     PACKED_SDPA,
+    attention_call_cost,
     grouped_sdpa_attention,
     pack,
     packed,
@@ -59,7 +60,11 @@ def shape(layout):
     return [(g.first, g.count, g.width, g.kv_length, g.tokens, g.padding is not None) for g in layout.groups]
 
 
-def pack_rows(widths, lengths, call_cost=ATTENTION_CALL_COST):
+CPU_CALL_COST = 1024
+"""A call's cost in pairs on a CPU, as the examples below assume (measured: a few hundred)."""
+
+
+def pack_rows(widths, lengths, call_cost=CPU_CALL_COST):
     """Trees in consecutive cache rows from row 0."""
     return pack(widths, lengths, list(range(len(widths))), call_cost)
 
@@ -93,8 +98,34 @@ def test_groups_never_span_a_free_cache_row():
     layout = pack([1, 1, 1, 1, 1], [10] * 5, [0, 1, 3, 4, 5], call_cost=10**9)
     assert [(g.first, g.first_row, g.count) for g in layout.groups] == [(0, 0, 2), (2, 3, 3)]
     # Rows counted from the pass's first row: the span of rows 4..7 starts at row 4.
-    layout = pack([2, 1], [10, 10], [4, 7])
+    layout = pack([2, 1], [10, 10], [4, 7], CPU_CALL_COST)
     assert [(g.first, g.first_row, g.count) for g in layout.groups] == [(0, 0, 1), (1, 3, 1)]
+
+
+def test_a_call_costs_some_hundreds_of_pairs_on_a_cpu(on_cpu, monkeypatch):
+    """Both sides of the ratio are resolved, the inputs draw no random numbers, and the figure is
+    measured once per shape and device."""
+    monkeypatch.setattr(attention, "_CALL_COSTS", {})
+    state = torch.random.get_rng_state()
+    cost = attention_call_cost(9, 3, 64, torch.float32, torch.device("cpu"), lambda: None)
+    assert 10 < cost < 100_000
+    assert torch.equal(torch.random.get_rng_state(), state)
+    monkeypatch.setattr(attention, "_time_call_cost", lambda *args: pytest.fail("timed twice"))
+    assert attention_call_cost(9, 3, 64, torch.float32, torch.device("cpu"), lambda: None) == cost
+
+
+def test_where_pairs_are_free_a_batch_attends_in_one_call(monkeypatch):
+    """A GPU: seven more calls cost time, a context 16 times longer none. A batch of mixed trees and
+    contexts then packs into one group."""
+    monkeypatch.setattr(attention, "_CALL_COSTS", {})
+    monkeypatch.setattr(attention, "best_times", lambda calls, rounds: [1e-4, 8e-4, 1e-4])
+    cost = attention_call_cost(9, 3, 64, torch.float32, torch.device("cpu"), lambda: None)
+    assert cost == MOST_CALL_COST
+    widths, lengths = [1] * 20 + [16] * 12, [100 + 61 * i for i in range(32)]
+    assert shape(pack_rows(widths, lengths, cost)) == [(0, 32, 16, 100 + 61 * 31 + 16, 212, True)]
+    monkeypatch.setattr(attention, "_CALL_COSTS", {})
+    monkeypatch.setattr(attention, "best_times", lambda calls, rounds: [1e-4, 8e-4, 1e-4 + 8 * 960 * 1e-6])
+    assert attention_call_cost(9, 3, 64, torch.float32, torch.device("cpu"), lambda: None) == 100
 
 
 @pytest.mark.parametrize("call_cost", [0, 10**9, 30])

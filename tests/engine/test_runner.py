@@ -1,7 +1,6 @@
 """Tree verification equals sequential decoding through transformers, for each family and runner."""
 
 import copy
-import functools
 from dataclasses import dataclass
 
 import pytest
@@ -20,7 +19,7 @@ from transformers import (
 
 import reader_spec.engine.decoder as decoder_module
 import reader_spec.engine.runner as runner_module
-from reader_spec.engine.attention import PACKED_EAGER, PACKED_SDPA
+from reader_spec.engine.attention import MOST_CALL_COST, PACKED_EAGER, PACKED_SDPA
 from reader_spec.engine.runner import ModelRunner, sliding_window_of
 from reader_spec.engine.tree import DraftTree
 from tests.conftest import TEST_DEVICE
@@ -163,14 +162,14 @@ def test_prefill_and_tree_logits_match_sequential(model):
         position += keep
 
 
-@pytest.mark.parametrize("call_cost", [0, 10**9])  # attention by runs of equal width, or all padded
+@pytest.mark.parametrize("call_cost", [0, MOST_CALL_COST])  # by runs of equal width, or all padded (GPUs)
 @pytest.mark.parametrize("rows", [range(7), (0, 1, 3, 4, 5, 8, 9)])  # free rows between sequences, or none
 def test_ragged_batch_matches_each_sequence_alone(model, call_cost, rows, monkeypatch):
     """Trees of unequal widths, lone roots among them, side by side and in runs of equal width, in
     consecutive cache rows or with free rows between them."""
     import numpy as np
 
-    monkeypatch.setattr(runner_module, "pack", functools.partial(runner_module.pack, call_cost=call_cost))
+    monkeypatch.setattr(runner_module, "attention_call_cost", lambda *args: call_cost)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, VOCAB, n).tolist() for n in (3, 17, 9, 12, 8, 20, 5)]
     drafted = [4, 0, 0, 6, 1, 1, 3]  # path tokens after the root, plus decoys hanging off them

@@ -30,18 +30,20 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
+from reader_spec.engine.weights import best_times
+
 PACKED_SDPA = "reader_packed_sdpa"
 PACKED_EAGER = "reader_packed_eager"
 
 AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
-ATTENTION_CALL_COST = 1024
-"""Fixed cost of one attention call, in query-key pairs: what splitting a batch into groups costs.
+MOST_CALL_COST = 1 << 24
+"""The call cost where a call outweighs any pass's padding (more query-key pairs than a batch of 32
+sequences with trees of 16 tokens over 32,000 tokens of context): every run of consecutive rows
+then attends in one call."""
 
-A call's overhead is the time of about this many query-key pairs on a CPU (``docs/architecture.md``);
-groups are merged with padding while that costs less than a call.
-"""
+_CALL_COSTS: dict[tuple, int] = {}
 
 
 @dataclass(frozen=True)
@@ -73,16 +75,14 @@ class PackedLayout:
     calls: int = 0
 
 
-def pack(
-    widths: list[int], lengths: list[int], rows: list[int], call_cost: int = ATTENTION_CALL_COST
-) -> PackedLayout:
+def pack(widths: list[int], lengths: list[int], rows: list[int], call_cost: int) -> PackedLayout:
     """Split the trees (in ascending cache ``rows``) into groups minimising ``calls x call_cost +
     query-key pairs``; a group's rows are consecutive, so that it attends over a view of the cache.
 
     A group of ``count`` trees attends as ``count x width x (longest context + width)`` pairs: its
     trees padded to the widest, its contexts to the longest (a masked key still costs its pair). A
     long prompt among short ones therefore gets its own call, as does a deep tree among lone roots.
-    Exact dynamic programme over the trees.
+    Exact dynamic programme over the trees; ``call_cost`` from :func:`attention_call_cost`.
     """
     best = [0.0] + [math.inf] * len(widths)  # best[i]: cheapest split of the first i trees
     split = [0] * (len(widths) + 1)  # split[i]: where the last group of that split starts
@@ -113,6 +113,75 @@ def _group(widths: list[int], lengths: list[int], first: int, end: int, first_ro
         offsets = torch.tensor([offset for n in own for offset in range(n)])
         padding = (rows, offsets)
     return AttentionGroup(first, first_row, end - first, width, kv_length, sum(own), padding)
+
+
+def attention_call_cost(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    synchronize: Callable[[], None],
+) -> int:
+    """What one more attention call costs, in query-key pairs of this shape on this device, timed once
+    per process: what :func:`pack` weighs padding against.
+
+    On a CPU a call's fixed work is worth a few hundred pairs (``docs/architecture.md``). On a GPU a
+    call is host work (slices, copies, kernel launches) while pairs are almost free, so the measured
+    cost is :data:`MOST_CALL_COST` and a batch attends in one call per run of consecutive rows.
+    """
+    key = (heads, kv_heads, head_dim, dtype, str(device))
+    if key not in _CALL_COSTS:
+        _CALL_COSTS[key] = _time_call_cost(heads, kv_heads, head_dim, dtype, device, synchronize)
+    return _CALL_COSTS[key]
+
+
+def _time_call_cost(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    synchronize: Callable[[], None],
+) -> int:
+    """Eight one-token trees attend in one call and in eight over a short context, and in one call
+    over a long one: the seven extra calls' time over the extra pairs' time per pair. Constant
+    inputs, so that no random state moves."""
+    trees, short, long, repeats = 8, 64, 1024, 4
+    widths = [1] * trees
+    query = torch.ones(1, heads, trees, head_dim, dtype=dtype, device=device)
+    keys = torch.ones(trees, kv_heads, long + 1, head_dim, dtype=dtype, device=device)
+    mask = torch.zeros(trees, 1, 1, long + 1, dtype=dtype, device=device)
+    attend = packed(_plain_sdpa)
+    layouts = [
+        PackedLayout([_group(widths, [short] * trees, 0, trees, 0)]),
+        PackedLayout([_group(widths, [short] * trees, i, i + 1, i) for i in range(trees)]),
+        PackedLayout([_group(widths, [long] * trees, 0, trees, 0)]),
+    ]
+
+    def timed(layout: PackedLayout) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(repeats):
+                attend(None, query, keys, keys, mask, packed_layout=layout)
+            synchronize()
+
+        return run
+
+    with torch.inference_mode():
+        one_call, eight_calls, long_context = best_times([timed(layout) for layout in layouts], rounds=7)
+    per_call = (eight_calls - one_call) / (trees - 1)
+    per_pair = (long_context - one_call) / (trees * (long - short))
+    if per_pair <= 0 or per_call >= per_pair * MOST_CALL_COST:
+        return MOST_CALL_COST
+    return max(0, round(per_call / per_pair))
+
+
+def _plain_sdpa(module, query, key, value, mask, **kwargs) -> tuple[torch.Tensor, None]:
+    """PyTorch's kernel as the packed passes call it, shared heads read in place."""
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, enable_gqa=query.shape[1] != key.shape[1]
+    )
+    return output.transpose(1, 2), None
 
 
 def visibility(

@@ -266,8 +266,7 @@ class FastDecoder:
             kind: self._rotary(hidden, positions, kind) for kind in {layer.kind for layer in self.layers}
         }
         tokens = input_ids.shape[0]
-        compiled = self.fused and self._runs_compiled(tokens)
-        plan = self._plan(cache, widths, masks, hidden) if compiled else None
+        plan = self._plan(cache, widths, masks, hidden) if self.attends_compiled(tokens) else None
         if plan is None:
             masks = additive(masks, hidden.dtype)
         if plan is not None and self.native and self.stack is not None and self._native_runs(rotary):
@@ -376,6 +375,11 @@ class FastDecoder:
                 self.greedy_head.wins(rows)
             if self.fused:
                 self._runs_compiled(rows)
+
+    def attends_compiled(self, tokens: int) -> bool:
+        """Whether a pass of ``tokens`` tokens runs the compiled attention, which reads the batch's
+        rows itself (no :class:`PackedLayout`)."""
+        return self.fused and self._runs_compiled(tokens)
 
     def _runs_compiled(self, tokens: int) -> bool:
         """Whether a pass of ``tokens`` tokens runs the compiled attention (and whole layers)."""

@@ -22,7 +22,14 @@ import torch
 from transformers import PreTrainedModel
 
 from reader_spec.engine import kernels
-from reader_spec.engine.attention import PackedLayout, additive, pack, use_packed_attention, visibility
+from reader_spec.engine.attention import (
+    PackedLayout,
+    additive,
+    attention_call_cost,
+    pack,
+    use_packed_attention,
+    visibility,
+)
 from reader_spec.engine.decoder import FAST_FAMILIES, FastDecoder, supports
 from reader_spec.engine.kv_cache import RaggedKVCache
 from reader_spec.engine.tree import DraftTree
@@ -115,6 +122,17 @@ class ModelRunner:
             _warn_once(model)
         num_layers = text_config(model.config).num_hidden_layers
         self.cache = RaggedKVCache(num_layers, num_rows, capacity, self.device)
+
+    @functools.cached_property
+    def attention_call_cost(self) -> int:
+        """One more attention call's cost in query-key pairs, measured for this model's heads
+        (:func:`attention_call_cost`)."""
+        config = text_config(self.model.config)
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        synchronize = synchronizer(self.device)
+        return attention_call_cost(heads, kv_heads, head_dim, self.dtype, self.device, synchronize)
 
     @property
     def name(self) -> str:
@@ -214,7 +232,9 @@ class ModelRunner:
         padded_positions = lengths[:, None] + torch.arange(max(widths))
         padded_positions[torch.arange(max(widths))[None] < torch.tensor(widths)[:, None]] = positions
         masks = visibility(lengths, local_masks, padded_positions, kv_length, self.sliding_window)
-        layout = pack(widths, lengths.tolist(), rows) if len(widths) > 1 else None
+        layout = None
+        if len(widths) > 1 and (self.decoder is None or not self.decoder.attends_compiled(len(input_ids))):
+            layout = pack(widths, lengths.tolist(), rows, self.attention_call_cost)
         device = self.device
         if self.decoder is not None:
             masks = {name: m.to(device) for name, m in masks.items()}
