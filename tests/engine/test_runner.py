@@ -34,6 +34,10 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**SMALL, num_hidden_layers=2, head_dim=8),
     "mistral": lambda: MistralConfig(**SMALL, num_hidden_layers=2, sliding_window=6),
     "phi3": lambda: Phi3Config(**SMALL, num_hidden_layers=2, pad_token_id=0),
+    # Some Phi-3 variants turn part of each head (Phi-4-mini: 0.75): the rest passes unrotated.
+    "phi3-partial": lambda: Phi3Config(
+        **SMALL, num_hidden_layers=2, pad_token_id=0, partial_rotary_factor=0.5
+    ),
     # A window of 6 is far shorter than the contexts below, so the sliding layers really slide.
     "gemma2": lambda: Gemma2Config(
         **SMALL,

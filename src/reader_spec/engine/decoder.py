@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import sys
 from dataclasses import dataclass
@@ -145,7 +146,6 @@ class FastDecoder:
         self.weights = weights
         core = model.model
         attention0 = core.layers[0].self_attn
-        self.apply_rotary = sys.modules[type(attention0).__module__].apply_rotary_pos_emb
         self.eager_attention = getattr(
             sys.modules[type(attention0).__module__], "eager_attention_forward", None
         )
@@ -178,9 +178,9 @@ class FastDecoder:
         self.fused = _on_cpu(model) and kernels.available()
         """Whether the small operators between the products run as the compiled ops of
         :mod:`reader_spec.engine.kernels` (``layer_ops.cpp``)."""
-        self.native = self.fused
+        self.native = self.fused and _rotates_whole_heads(self.rotary, self.head_dim)
         """Whether layers of the Llama shape run whole as compiled calls (``decoder_layer.cpp``)."""
-        if self.fused:
+        if self.native:
             for layer in self.layers:
                 layer.native = _native_layer(layer)
         self.stack = _native_stack(self.layers)
@@ -262,9 +262,8 @@ class FastDecoder:
         tokens of tree ``i``); ``keep`` indexes the tokens (None: all). :meth:`logits` or
         :meth:`greedy_tokens` then runs the output layer."""
         hidden = self.embed(input_ids)
-        rotary = {
-            kind: self._rotary(hidden, positions, kind) for kind in {layer.kind for layer in self.layers}
-        }
+        kinds = {layer.kind for layer in self.layers}
+        rotary = {kind: self._rotary(hidden, positions, kind) for kind in kinds}
         tokens = input_ids.shape[0]
         plan = self._plan(cache, widths, masks, hidden) if self.attends_compiled(tokens) else None
         if plan is None:
@@ -280,7 +279,7 @@ class FastDecoder:
     def _compiled_layers(
         self,
         hidden: torch.Tensor,
-        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        rotary: dict[str, Rotation],
         cache: RaggedKVCache,
         plan: _Plan,
         tokens: int,
@@ -290,8 +289,8 @@ class FastDecoder:
         kinds = _stack_kinds(self.layers)
         residual = self.stack.forward(
             hidden,
-            [rotary[kind][0][0] for kind in kinds],
-            [rotary[kind][1][0] for kind in kinds],
+            [rotary[kind].cos for kind in kinds],
+            [rotary[kind].sin for kind in kinds],
             [layer_cache.keys for layer_cache in cache.layers],
             [layer_cache.values for layer_cache in cache.layers],
             plan.position,
@@ -306,7 +305,7 @@ class FastDecoder:
     def _layers(
         self,
         hidden: torch.Tensor,
-        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        rotary: dict[str, Rotation],
         cache: RaggedKVCache,
         plan: _Plan | None,
         masks: dict[str, torch.Tensor],
@@ -321,8 +320,9 @@ class FastDecoder:
             hidden, normed = self._add_norm(hidden, residual, layer.input_norm)
             qkv = layer.qkv(normed)
             query_key = self._query_key(layer, qkv, tokens)
-            value = layer.qkv.split(qkv)[2].view(tokens, -1, self.head_dim)
-            query = self._rotate_and_store(layer_cache, query_key, value, layer.heads, *rotary[layer.kind])
+            value_start, value_size = layer.qkv.parts[2]
+            value = qkv[:, value_start : value_start + value_size].view(tokens, -1, self.head_dim)
+            query = self._rotate_and_store(layer_cache, query_key, value, layer.heads, rotary[layer.kind])
             if plan is not None:
                 attended = torch.ops.reader_spec.attention(
                     query.contiguous(),
@@ -388,9 +388,9 @@ class FastDecoder:
         kv_heads = self.layers[0].qkv.parts[1][1] // self.head_dim
         return compiled_attention_wins(self.layers[0].heads, kv_heads, self.head_dim, tokens)
 
-    def _native_runs(self, rotary: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    def _native_runs(self, rotary: dict[str, Rotation]) -> bool:
         """Whether this pass's layers can run whole: the rotary embedding turns whole heads."""
-        return all(cos.shape[-1] == self.head_dim for cos, _ in rotary.values())
+        return all(rotation.whole(self.head_dim) for rotation in rotary.values())
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """The output layer: ``[rows, vocab]`` logits of final hidden states."""
@@ -451,18 +451,25 @@ class FastDecoder:
         query_key: torch.Tensor,
         value: torch.Tensor,
         heads: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotation: Rotation,
     ) -> torch.Tensor:
         """Rotated queries ``[tokens, heads, head_dim]``, the rotated keys and the values stored in the
-        cache. One compiled op where the whole head rotates, else the model's formula and the cache's
-        own write."""
-        if self.fused and cos.shape[-1] == query_key.shape[-1]:
+        cache. One compiled op where the whole head rotates, else PyTorch's ops and the cache's own
+        write."""
+        if self.fused and rotation.whole(self.head_dim):
             rows, positions = layer_cache.destination(query_key[:, heads:], value)
             return torch.ops.reader_spec.rotary_store(
-                query_key, value, cos[0], sin[0], layer_cache.keys, layer_cache.values, rows, positions, heads
+                query_key,
+                value,
+                rotation.cos,
+                rotation.sin,
+                layer_cache.keys,
+                layer_cache.values,
+                rows,
+                positions,
+                heads,
             )
-        query_key = self._rotate(query_key, cos, sin)
+        query_key = rotation.rotate(query_key)
         layer_cache.write(query_key[:, heads:], value)
         return query_key[:, :heads]
 
@@ -499,26 +506,15 @@ class FastDecoder:
         )
         return output.transpose(1, 2), None
 
-    def _rotate(self, query_key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding of queries and keys together (``[tokens, heads, head_dim]``), with the
-        model's own formula; a partial rotation (Phi-3 variants) goes through the model's function."""
-        cos, sin = cos[0, :, None], sin[0, :, None]
-        if cos.shape[-1] != query_key.shape[-1]:
-            rotated, _ = self.apply_rotary(query_key, query_key[:, :0], cos, sin, unsqueeze_dim=1)
-            return rotated
-        half = query_key.shape[-1] // 2
-        return query_key * cos + torch.cat((-query_key[..., half:], query_key[..., :half]), dim=-1) * sin
-
-    def _rotary(
-        self, hidden: torch.Tensor, positions: torch.Tensor, kind: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor, kind: str) -> Rotation:
         """cos and sin at ``positions``, from a table grown by doubling (the model's own module)."""
         extra = (kind,) if self.rotary_by_kind else ()
         rope_type = getattr(self.rotary, "rope_type", "default")
         if isinstance(rope_type, dict):  # one per layer type (Gemma 3)
             rope_type = rope_type.get(kind, "default")
         if rope_type not in STATIC_ROPE_TYPES:
-            return self.rotary(hidden, positions[None], *extra)
+            cos, sin = self.rotary(hidden, positions[None], *extra)
+            return Rotation(cos[0], sin[0])
         needed = int(positions.max()) + 1
         table = self.rotary_tables.get(kind)
         if table is None or table[0].shape[1] < needed:
@@ -527,7 +523,39 @@ class FastDecoder:
                 hidden, torch.arange(size, device=hidden.device)[None], *extra
             )
         cos, sin = table
-        return cos[:, positions], sin[:, positions]
+        return Rotation(cos[0, positions], sin[0, positions])
+
+
+@dataclass
+class Rotation:
+    """The rotary embedding of a pass: cos and sin at its positions, ``[tokens, rotated dims]``."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def whole(self, head_dim: int) -> bool:
+        """Whether it turns whole heads (else the first dims only: Phi-3 variants, partial factors)."""
+        return self.cos.shape[-1] == head_dim
+
+    @functools.cached_property
+    def _per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin broadcast over heads, sin's first half negated: ``rotate_half`` folded into it,
+        once per pass rather than per layer."""
+        half = self.sin.shape[-1] // 2
+        signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+        return self.cos[:, None], signed[:, None]
+
+    def rotate(self, heads: torch.Tensor) -> torch.Tensor:
+        """``x cos + rotate_half(x) sin`` of ``[tokens, heads, head_dim]``, the rotated dims first: the
+        families' formula, bit for bit (``rotate_half(x) sin`` = ``roll(x) x signed sin``), in four
+        kernels instead of seven."""
+        cos, signed_sin = self._per_head
+        dims = cos.shape[-1]
+        turned = heads[..., :dims] if dims != heads.shape[-1] else heads
+        rotated = turned * cos + turned.roll(dims // 2, dims=-1) * signed_sin
+        if turned is heads:
+            return rotated
+        return torch.cat((rotated, heads[..., dims:]), dim=-1)
 
 
 _ATTENTION_CHOICES: dict[tuple[int, int, int, int], bool] = {}
@@ -585,6 +613,13 @@ def _norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     if epsilon is None:
         return norm(hidden)
     return nn.functional.rms_norm(hidden, norm.weight.shape, norm.weight, epsilon)
+
+
+def _rotates_whole_heads(rotary: nn.Module, head_dim: int) -> bool:
+    """Whether the rotary embedding turns whole heads, as the compiled layers do (a partial factor, in
+    some Phi-3 variants, turns the first dims only)."""
+    inv_freq = getattr(rotary, "inv_freq", None)
+    return inv_freq is None or 2 * inv_freq.shape[-1] == head_dim
 
 
 def _native_layer(layer: _Layer) -> torch.ScriptObject | None:

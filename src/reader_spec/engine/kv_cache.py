@@ -45,15 +45,14 @@ class RaggedLayer(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """transformers' entry: ``[1, heads, tokens, head_dim]``."""
-        return self.write(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
+        self.write(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
+        return self.attended()
 
-    def write(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store a pass's keys and values (``[tokens, heads, head_dim]``) in place; returns views of the
-        rows the pass attends to, ``[rows, heads, kv_length, head_dim]``."""
+    def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store a pass's keys and values (``[tokens, heads, head_dim]``) in place."""
         rows, positions = self.destination(keys, values)
         self.keys[rows, :, positions] = keys
         self.values[rows, :, positions] = values
-        return self.attended()
 
     def destination(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The cache row and position of each token of the pass, the buffers allocated after ``keys``
