@@ -94,6 +94,13 @@ def test_pack_groups_slots_by_cost():
     assert shape(pack_rows([1, 2, 1], [600] * 3)) == [(0, 3, 2, 602, 4, True)]
 
 
+def test_padding_indices_are_made_on_the_passs_device():
+    """Once per pass: indices left on the host would be copied to a GPU in every layer."""
+    layout = pack([1, 3, 2], [5, 5, 5], [0, 1, 2], MOST_CALL_COST, torch.device("meta"))
+    (group,) = layout.groups
+    assert [index.device.type for index in group.padding] == ["meta", "meta"]
+
+
 def test_groups_never_span_a_free_cache_row():
     layout = pack([1, 1, 1, 1, 1], [10] * 5, [0, 1, 3, 4, 5], call_cost=10**9)
     assert [(g.first, g.first_row, g.count) for g in layout.groups] == [(0, 0, 2), (2, 3, 3)]

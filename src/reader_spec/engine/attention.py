@@ -75,14 +75,18 @@ class PackedLayout:
     calls: int = 0
 
 
-def pack(widths: list[int], lengths: list[int], rows: list[int], call_cost: int) -> PackedLayout:
+def pack(
+    widths: list[int], lengths: list[int], rows: list[int], call_cost: int, device: torch.device | None = None
+) -> PackedLayout:
     """Split the trees (in ascending cache ``rows``) into groups minimising ``calls x call_cost +
     query-key pairs``; a group's rows are consecutive, so that it attends over a view of the cache.
 
     A group of ``count`` trees attends as ``count x width x (longest context + width)`` pairs: its
     trees padded to the widest, its contexts to the longest (a masked key still costs its pair). A
     long prompt among short ones therefore gets its own call, as does a deep tree among lone roots.
-    Exact dynamic programme over the trees; ``call_cost`` from :func:`attention_call_cost`.
+    Exact dynamic programme over the trees; ``call_cost`` from :func:`attention_call_cost`. The
+    padding indices are made on ``device`` once per pass: indices on the host would be copied to a
+    GPU in every layer, each copy waiting for the layers queued before it.
     """
     best = [0.0] + [math.inf] * len(widths)  # best[i]: cheapest split of the first i trees
     split = [0] * (len(widths) + 1)  # split[i]: where the last group of that split starts
@@ -98,19 +102,26 @@ def pack(widths: list[int], lengths: list[int], rows: list[int], call_cost: int)
     groups = []
     i = len(widths)
     while i:
-        groups.append(_group(widths, lengths, split[i], i, rows[split[i]] - rows[0]))
+        groups.append(_group(widths, lengths, split[i], i, rows[split[i]] - rows[0], device))
         i = split[i]
     return PackedLayout(groups[::-1])
 
 
-def _group(widths: list[int], lengths: list[int], first: int, end: int, first_row: int) -> AttentionGroup:
+def _group(
+    widths: list[int],
+    lengths: list[int],
+    first: int,
+    end: int,
+    first_row: int,
+    device: torch.device | None = None,
+) -> AttentionGroup:
     own = widths[first:end]
     width = max(own)
     kv_length = max(lengths[first:end]) + width
     padding = None
     if min(own) != width:
-        rows = torch.tensor([row for row, n in enumerate(own) for _ in range(n)])
-        offsets = torch.tensor([offset for n in own for offset in range(n)])
+        rows = torch.tensor([row for row, n in enumerate(own) for _ in range(n)], device=device)
+        offsets = torch.tensor([offset for n in own for offset in range(n)], device=device)
         padding = (rows, offsets)
     return AttentionGroup(first, first_row, end - first, width, kv_length, sum(own), padding)
 

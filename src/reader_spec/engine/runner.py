@@ -234,7 +234,7 @@ class ModelRunner:
         masks = visibility(lengths, local_masks, padded_positions, kv_length, self.sliding_window)
         layout = None
         if len(widths) > 1 and (self.decoder is None or not self.decoder.attends_compiled(len(input_ids))):
-            layout = pack(widths, lengths.tolist(), rows, self.attention_call_cost)
+            layout = pack(widths, lengths.tolist(), rows, self.attention_call_cost, self.device)
         device = self.device
         if self.decoder is not None:
             masks = {name: m.to(device) for name, m in masks.items()}
