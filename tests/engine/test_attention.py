@@ -9,6 +9,7 @@ from reader_spec.engine.attention import (
     MOST_CALL_COST,
     PACKED_EAGER,
     PACKED_SDPA,
+    HeadShape,
     attention_call_cost,
     grouped_sdpa_attention,
     pack,
@@ -59,6 +60,9 @@ def test_takes_over_only_masked_multi_token_queries(monkeypatch, on_cpu):
 def shape(layout):
     return [(g.first, g.count, g.width, g.kv_length, g.tokens, g.padding is not None) for g in layout.groups]
 
+
+SMOLLM2 = HeadShape(heads=9, kv_heads=3, head_dim=64)
+"""The default model's heads."""
 
 CPU_CALL_COST = 1024
 """A call's cost in pairs on a CPU, as the examples below assume (measured: a few hundred)."""
@@ -114,11 +118,11 @@ def test_a_call_costs_some_hundreds_of_pairs_on_a_cpu(on_cpu, monkeypatch):
     measured once per shape and device."""
     monkeypatch.setattr(attention, "_CALL_COSTS", {})
     state = torch.random.get_rng_state()
-    cost = attention_call_cost(9, 3, 64, torch.float32, torch.device("cpu"), lambda: None)
+    cost = attention_call_cost(SMOLLM2, torch.float32, torch.device("cpu"), lambda: None)
     assert 10 < cost < 100_000
     assert torch.equal(torch.random.get_rng_state(), state)
     monkeypatch.setattr(attention, "_time_call_cost", lambda *args: pytest.fail("timed twice"))
-    assert attention_call_cost(9, 3, 64, torch.float32, torch.device("cpu"), lambda: None) == cost
+    assert attention_call_cost(SMOLLM2, torch.float32, torch.device("cpu"), lambda: None) == cost
 
 
 def test_where_pairs_are_free_a_batch_attends_in_one_call(monkeypatch):
@@ -126,13 +130,13 @@ def test_where_pairs_are_free_a_batch_attends_in_one_call(monkeypatch):
     contexts then packs into one group."""
     monkeypatch.setattr(attention, "_CALL_COSTS", {})
     monkeypatch.setattr(attention, "best_times", lambda calls, rounds: [1e-4, 8e-4, 1e-4])
-    cost = attention_call_cost(9, 3, 64, torch.float32, torch.device("cpu"), lambda: None)
+    cost = attention_call_cost(SMOLLM2, torch.float32, torch.device("cpu"), lambda: None)
     assert cost == MOST_CALL_COST
     widths, lengths = [1] * 20 + [16] * 12, [100 + 61 * i for i in range(32)]
     assert shape(pack_rows(widths, lengths, cost)) == [(0, 32, 16, 100 + 61 * 31 + 16, 212, True)]
     monkeypatch.setattr(attention, "_CALL_COSTS", {})
     monkeypatch.setattr(attention, "best_times", lambda calls, rounds: [1e-4, 8e-4, 1e-4 + 8 * 960 * 1e-6])
-    assert attention_call_cost(9, 3, 64, torch.float32, torch.device("cpu"), lambda: None) == 100
+    assert attention_call_cost(SMOLLM2, torch.float32, torch.device("cpu"), lambda: None) == 100
 
 
 @pytest.mark.parametrize("call_cost", [0, 10**9, 30])

@@ -126,13 +126,17 @@ def _group(
     return AttentionGroup(first, first_row, end - first, width, kv_length, sum(own), padding)
 
 
+@dataclass(frozen=True)
+class HeadShape:
+    """A model's attention heads: query heads, key/value heads, and their width."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
 def attention_call_cost(
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    synchronize: Callable[[], None],
+    shape: HeadShape, dtype: torch.dtype, device: torch.device, synchronize: Callable[[], None]
 ) -> int:
     """What one more attention call costs, in query-key pairs of this shape on this device, timed once
     per process: what :func:`pack` weighs padding against.
@@ -141,27 +145,22 @@ def attention_call_cost(
     call is host work (slices, copies, kernel launches) while pairs are almost free, so the measured
     cost is :data:`MOST_CALL_COST` and a batch attends in one call per run of consecutive rows.
     """
-    key = (heads, kv_heads, head_dim, dtype, str(device))
+    key = (shape, dtype, str(device))
     if key not in _CALL_COSTS:
-        _CALL_COSTS[key] = _time_call_cost(heads, kv_heads, head_dim, dtype, device, synchronize)
+        _CALL_COSTS[key] = _time_call_cost(shape, dtype, device, synchronize)
     return _CALL_COSTS[key]
 
 
 def _time_call_cost(
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    synchronize: Callable[[], None],
+    shape: HeadShape, dtype: torch.dtype, device: torch.device, synchronize: Callable[[], None]
 ) -> int:
     """Eight one-token trees attend in one call and in eight over a short context, and in one call
     over a long one: the seven extra calls' time over the extra pairs' time per pair. Constant
     inputs, so that no random state moves."""
     trees, short, long, repeats = 8, 64, 1024, 4
     widths = [1] * trees
-    query = torch.ones(1, heads, trees, head_dim, dtype=dtype, device=device)
-    keys = torch.ones(trees, kv_heads, long + 1, head_dim, dtype=dtype, device=device)
+    query = torch.ones(1, shape.heads, trees, shape.head_dim, dtype=dtype, device=device)
+    keys = torch.ones(trees, shape.kv_heads, long + 1, shape.head_dim, dtype=dtype, device=device)
     mask = torch.zeros(trees, 1, 1, long + 1, dtype=dtype, device=device)
     attend = packed(_plain_sdpa)
     layouts = [

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 
 from reader_spec.engine import kernels
 from reader_spec.engine.attention import (
+    HeadShape,
     PackedLayout,
     additive,
     attention_call_cost,
@@ -129,10 +130,12 @@ class ModelRunner:
         (:func:`attention_call_cost`)."""
         config = text_config(self.model.config)
         heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        synchronize = synchronizer(self.device)
-        return attention_call_cost(heads, kv_heads, head_dim, self.dtype, self.device, synchronize)
+        shape = HeadShape(
+            heads,
+            getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads,
+        )
+        return attention_call_cost(shape, self.dtype, self.device, synchronizer(self.device))
 
     @property
     def name(self) -> str:
