@@ -163,9 +163,10 @@ class ModelRunner:
         return self._verify(trees, list(rows), greedy)
 
     def _verify(self, trees: Sequence[DraftTree], rows: list[int], greedy: list[bool]) -> list[torch.Tensor]:
-        lengths = self.cache.lengths[rows]
+        lengths = self.cache.lengths[rows].tolist()
         tokens = [tree.tokens for tree in trees]
-        positions = [lengths[b] + torch.tensor(tree.depths) for b, tree in enumerate(trees)]
+        flat = [length + depth for length, tree in zip(lengths, trees, strict=True) for depth in tree.depths]
+        positions = torch.tensor(flat).split([len(tree) for tree in trees])
         return self.extend(rows, tokens, positions, [t.ancestor_mask() for t in trees], greedy=greedy)
 
     @torch.inference_mode()

@@ -84,13 +84,12 @@ class DraftTree:
     def ancestor_mask(self) -> torch.Tensor:
         """``mask[i, j]`` is True when node i may attend to node j (j is i or an ancestor of i)."""
         n = len(self.tokens)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            mask[i, i] = True
-            parent = self.parents[i]
-            if parent >= 0:
-                mask[i] |= mask[parent]
-        return mask
+        rows: list[list[bool]] = []
+        for i, parent in enumerate(self.parents):  # as lists, then one tensor: a GPU's host pays per op
+            row = rows[parent].copy() if parent >= 0 else [False] * n
+            row[i] = True
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.bool)
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root down to ``node``."""
