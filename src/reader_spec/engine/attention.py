@@ -142,8 +142,8 @@ def attention_call_cost(
     per process: what :func:`pack` weighs padding against.
 
     On a CPU a call's fixed work is worth a few hundred pairs (``docs/architecture.md``). On a GPU a
-    call is host work (slices, copies, kernel launches) while pairs are almost free, so the measured
-    cost is :data:`MOST_CALL_COST` and a batch attends in one call per run of consecutive rows.
+    call is host work (slices, copies, kernel launches) while pairs are almost free: there the cost
+    comes out as :data:`MOST_CALL_COST` and a batch attends in one call per run of consecutive rows.
     """
     key = (shape, dtype, str(device))
     if key not in _CALL_COSTS:
