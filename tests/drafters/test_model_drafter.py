@@ -21,7 +21,7 @@ from reader_spec.engine.tree import DraftTree, Proposal, chain_proposal
 from reader_spec.engine.weights import INT8_GROUPED, dequantize_int4, quantize_int4, quantize_int8_grouped
 from reader_spec.loading import LoadedModel, ModelLoadError
 from tests.conftest import make_tiny_llama, make_tiny_tokenizer
-from tests.engine.test_engine import FLAT_COSTS, NO_EOS, mixed_configs, random_prompts
+from tests.engine.test_engine import FLAT_COSTS, NO_EOS, mixed_configs, next_turns, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +84,22 @@ def test_a_drafter_set_after_the_engine_ran_shares_its_cache(tiny, prompts, plai
     engine.step()
     with pytest.raises(RuntimeError, match="while requests are running"):
         engine.drafter = None
+
+
+@pytest.mark.parametrize("cache", ["shared", "own"])
+def test_next_turns_on_reused_rows_stay_exact(tiny, prompts, plain, same_draft, cache):
+    """The target's rows hold the first turns; a draft model on the target's cache drafts from them, one
+    with its own reads its text afresh: either way the next turns are plain decoding's."""
+    second = next_turns(prompts[:4], plain[:4])
+    expected = Engine(tiny, reuse_prefixes=False).generate(second, NO_EOS)
+    drafter = ModelDrafter(same_draft, max_depth=4, share_target_cache=cache == "shared")
+    engine = Engine(tiny, drafter, budget=8, costs=FLAT_COSTS, max_batch_size=4)
+    engine.generate(prompts[:4], NO_EOS, batch_size=4)
+    outputs = engine.generate(second, NO_EOS, batch_size=4)
+    assert [o.tokens for o in outputs] == [o.tokens for o in expected]
+    for prompt, output in zip(prompts[:4], outputs, strict=True):
+        assert output.stats.cached_tokens >= len(prompt) + NO_EOS.max_new_tokens - 1
+    assert sum(o.stats.accepted_by_source.get("model", 0) for o in outputs) > 0
 
 
 @pytest.mark.parametrize("batch_size", [1, 8])

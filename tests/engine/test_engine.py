@@ -584,3 +584,60 @@ def test_a_warm_up_without_the_compiled_ops_times_none_of_them(tiny, prompts, mo
     engine = Engine(loaded, ReaderDrafter(), budget=8, costs=FLAT_COSTS)
     engine.warm_up(2, prompt_tokens=ROW_BUCKETS[-1])  # as the bench warms up: past the compiled layers' rows
     engine.generate(prompts[:2], NO_EOS, batch_size=2)
+
+
+def next_turns(prompts, outputs, seed: int = 5) -> list[list[int]]:
+    """Each conversation continued: its prompt, its answer and a new message."""
+    rng = random.Random(seed)
+    return [
+        [*prompt, *output.tokens, *(rng.randrange(2, 90) for _ in range(rng.randint(1, 8)))]
+        for prompt, output in zip(prompts, outputs, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_a_next_turn_reuses_its_conversations_row_and_stays_exact(tiny, prompts, plain_outputs, batch_size):
+    """The second turns prefill only their new message, in the rows their first turns left; outputs equal
+    plain decoding's on an engine that reuses nothing, speculative or plain, alone or mixed in a batch
+    with new conversations."""
+    second = next_turns(prompts, plain_outputs)
+    fresh = Engine(tiny, reuse_prefixes=False).generate(second, NO_EOS)
+    assert all(o.stats.cached_tokens == 0 for o in fresh)
+    for engine in (Engine(tiny, max_batch_size=batch_size), Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS)):
+        first = engine.generate(prompts[:batch_size], NO_EOS, batch_size=batch_size)
+        assert [o.tokens for o in first] == [o.tokens for o in plain_outputs[:batch_size]]
+        mixed = second[:batch_size] + prompts[batch_size:]  # next turns first, then new conversations
+        outputs = engine.generate(mixed, NO_EOS, batch_size=batch_size)
+        expected = fresh[:batch_size] + plain_outputs[batch_size:]
+        assert [o.tokens for o in outputs] == [o.tokens for o in expected]
+        for prompt, output in zip(prompts[:batch_size], outputs[:batch_size], strict=True):
+            # Held: the prompt and the answer, but for its last token where no pass computed it (the
+            # last step's root; a speculative last step may have verified past the length limit).
+            held = len(prompt) + NO_EOS.max_new_tokens
+            assert output.stats.cached_tokens in (held - 1, held)
+
+
+def test_a_new_cache_or_a_cold_start_reuses_nothing(tiny, prompts, plain_outputs):
+    engine = Engine(tiny)
+    engine.generate(prompts[:1], NO_EOS)
+    second = next_turns(prompts[:1], plain_outputs[:1])
+    engine.forget_prefixes()
+    assert engine.generate(second, NO_EOS)[0].stats.cached_tokens == 0
+    engine.generate(prompts[:1], NO_EOS)
+    assert engine.generate(second, NO_EOS, batch_size=2)[0].stats.cached_tokens == 0  # a new cache
+
+
+def test_another_question_on_the_same_prompt_copies_it_and_leaves_the_conversation_its_row(
+    tiny, prompts, plain_outputs
+):
+    prompt = prompts[0]
+    assert len(prompt) < NO_EOS.max_new_tokens  # the answer is what taking the row would discard
+    fork = [*prompt, 3, 4]
+    follow_up = next_turns(prompts[:1], plain_outputs[:1])[0]
+    expected = Engine(tiny, reuse_prefixes=False).generate([fork, follow_up], NO_EOS)
+    engine = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS, max_batch_size=2)
+    engine.generate([prompt], NO_EOS, batch_size=2)
+    outputs = [engine.generate([p], NO_EOS, batch_size=2)[0] for p in (fork, follow_up)]
+    assert [o.tokens for o in outputs] == [o.tokens for o in expected]
+    assert outputs[0].stats.cached_tokens == len(prompt)
+    assert outputs[1].stats.cached_tokens >= len(prompt) + NO_EOS.max_new_tokens - 1

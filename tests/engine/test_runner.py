@@ -239,6 +239,33 @@ def test_a_freed_row_serves_the_next_sequence_and_no_other_row_moves(model):
     assert (logits[1] - full_logits(model, second)[10:12]).abs().max() < TOL
 
 
+def test_a_row_holding_a_prefix_prefills_only_what_follows(model, monkeypatch):
+    """Prefix reuse: a row decoded one text, the next request shares its first 12 tokens and then
+    differs; the row keeps those 12, the stale entries past them are overwritten, and the new text's
+    logits are a fresh prefill's."""
+    monkeypatch.setattr(runner_module, "PREFILL_CHUNK", 4)
+    earlier, later = list(range(5, 30)), [*range(5, 17), *range(40, 52)]
+    runner = make_runner(model, num_rows=1, capacity=32)
+    runner.prefill(0, earlier[:8])
+    for token in earlier[8:20]:  # decoded a token at a time, as plain decoding leaves a row
+        runner.verify([DraftTree([token], [-1])], [0])
+        runner.cache.commit(0, [0])
+    forward, passed = runner._forward, []
+
+    def counted(rows, input_ids, *args, **kwargs):
+        passed.append(len(input_ids))
+        return forward(rows, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "_forward", counted)
+    runner.prefill(0, later[:-3], reused=12)
+    monkeypatch.undo()
+    assert sum(passed) == len(later) - 3 - 12 and int(runner.cache.lengths[0]) == len(later) - 3
+    logits = runner.verify([DraftTree(later[-3:], [-1, 0, 1])], [0])[0]
+    assert (logits - full_logits(model, later)[-3:]).abs().max() < TOL
+    with pytest.raises(ValueError, match="cannot reuse"):
+        runner.prefill(0, later[:5], reused=6)
+
+
 def test_chunked_prefill_matches(model, monkeypatch):
     monkeypatch.setattr(runner_module, "PREFILL_CHUNK", 4)
     tokens = list(range(1, 19))

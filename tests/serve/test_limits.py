@@ -126,18 +126,22 @@ def test_queue_overflow_gets_429_with_retry_after(tiny):
 
 def test_metrics_count_requests_tokens_and_accepted_drafts(server):
     before = metric(server, "reader_generated_tokens_total")
+    cached_before = metric(server, "reader_cached_prompt_tokens_total")
     ok_before = metric(server, "reader_requests_total", status="200")
-    generated = 0
+    generated = cached = 0
     with server.client() as client:
-        for prompt in ["w5 w6 w7 w5 w6 w7", "w9 w8 w9 w8 w9 w8"]:
+        for prompt in ["w5 w6 w7 w5 w6 w7", "w9 w8 w9 w8 w9 w8", "w9 w8 w9 w8 w9 w8 w7"]:
             reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
             generated += reply.usage.completion_tokens
+            cached += reply.usage.prompt_tokens_details.cached_tokens
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="other", prompt="w5", max_tokens=2)
 
     # an engine step publishes its updates first and records its metrics right after
     assert wait_for(lambda: metric(server, "reader_generated_tokens_total") == before + generated)
-    assert metric(server, "reader_requests_total", status="200") == ok_before + 2
+    assert cached >= 6  # the last prompt begins with the one before it
+    assert metric(server, "reader_cached_prompt_tokens_total") == cached_before + cached
+    assert metric(server, "reader_requests_total", status="200") == ok_before + 3
     assert metric(server, "reader_requests_total", status="404") >= 1
     assert metric(server, "reader_draft_tokens_accepted_total") > 0  # the output loops: drafts hit
 

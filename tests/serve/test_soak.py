@@ -230,6 +230,10 @@ def check_good(client: httpx.Client, job: Good) -> str | None:
         "completion_tokens": job.completion_tokens,
         "total_tokens": job.prompt_tokens + job.completion_tokens,
     }
+    if usage is not None:  # what earlier requests left in the cache, at most all but the last prompt token
+        cached = usage.pop("prompt_tokens_details", {}).get("cached_tokens")
+        if not isinstance(cached, int) or not 0 <= cached < job.prompt_tokens:
+            return f"{job.body}: {cached} cached prompt tokens of {job.prompt_tokens}"
     if (text, reason, usage) != (job.text, job.finish_reason, want):
         return f"{job.body}: got {(text, reason, usage)}, want {(job.text, job.finish_reason, want)}"
     return None

@@ -48,6 +48,8 @@ class BenchSetup:
     """Token choice for engine methods (greedy by default); its ``max_new_tokens`` is overridden."""
     runner: str = "auto"
     """The engine methods' forward (``ar-transformers`` always runs transformers')."""
+    reuse_prefixes: bool = True
+    """Whether engine methods prefill a later turn only past the text its earlier turn left cached."""
 
     @cached_property
     def engine_loaded(self) -> LoadedModel:
@@ -118,6 +120,7 @@ class EngineMethod:
         self.engine.warm_up(batch_size, prompt_tokens=ROW_BUCKETS[-1])
 
     def reset(self) -> None:
+        self.engine.forget_prefixes()
         if self.new_drafter is not None:
             self.engine.drafter = self.new_drafter()
 
@@ -151,7 +154,9 @@ def engine_method(drafter: DrafterSpec | None = None, runner: str | None = None)
         loaded = setup.loaded if runner == "transformers" else setup.engine_loaded
         chosen = runner or setup.runner
         if drafter is None:
-            return EngineMethod(Engine(loaded, runner=chosen), setup.sampling)
+            return EngineMethod(
+                Engine(loaded, runner=chosen, reuse_prefixes=setup.reuse_prefixes), setup.sampling
+            )
 
         def new_drafter() -> Drafter:
             return drafter.build(setup.datastore, setup.draft)
@@ -162,6 +167,7 @@ def engine_method(drafter: DrafterSpec | None = None, runner: str | None = None)
             budget=setup.budget if drafter.budget is None else drafter.budget,
             adaptive_budget=drafter.adaptive,
             runner=chosen,
+            reuse_prefixes=setup.reuse_prefixes,
         )
         return EngineMethod(engine, setup.sampling, new_drafter)
 

@@ -91,11 +91,14 @@ def run_bench(
     datastore: Datastore | None = None,
     sampling: GenerationConfig | None = None,
     runner: str = "auto",
+    reuse_prefixes: bool = True,
 ) -> BenchReport:
     """Measure ``methods`` (default: all that need no missing draft model) on ``questions``.
 
     ``sampling`` sets how engine methods choose tokens (greedy by default; give a seed, so that every
-    method draws the same randomness and outputs stay comparable token for token).
+    method draws the same randomness and outputs stay comparable token for token). With
+    ``reuse_prefixes`` an engine method's later turn prefills only past what its earlier turn left in
+    the cache (transformers' methods prefill everything: they keep nothing between calls).
     """
     names = method_names(methods, draft is not None)
     if repeats < 1 or not batch_sizes or min(batch_sizes) < 1:
@@ -104,7 +107,7 @@ def run_bench(
     sampling = sampling or GenerationConfig()
     if not sampling.greedy and sampling.seed is None:
         raise ValueError("sampled benchmarks need a seed, so that every method draws alike")
-    setup = BenchSetup(loaded, budget, draft, datastore, sampling, runner)
+    setup = BenchSetup(loaded, budget, draft, datastore, sampling, runner, reuse_prefixes)
     built = {name: METHODS[name].build(setup) for name in names}
     for method in built.values():
         method.warm_up(max(larger, default=1) if method.can_batch else 1)
@@ -126,6 +129,7 @@ def run_bench(
             "questions": [q.id for q in questions],
             "prompts": prompt_count,
             "later_turns": f"carry {REFERENCE}'s earlier answers",
+            "prefix_reuse": reuse_prefixes,
             "peak_rss": "per run" if peaks_per_run else "process lifetime",
         },
     )

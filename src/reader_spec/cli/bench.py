@@ -14,6 +14,7 @@ from typing import get_args
 from reader_spec.budget.costs import CostModel, load_costs
 from reader_spec.cli.common import (
     add_model_option,
+    add_prefix_reuse_option,
     add_sampling_options,
     load_target,
     names,
@@ -36,6 +37,7 @@ def add_parser(commands) -> None:
         "larger batch sizes.",
     )
     add_model_option(bench)
+    add_prefix_reuse_option(bench)
     bench.add_argument(
         "--draft-model",
         metavar="self|MODEL",
@@ -128,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         datastore=datastore,
         sampling=sampling,
         runner=args.runner,
+        reuse_prefixes=not args.no_prefix_reuse,
     )
     print(report.markdown())
     if args.out:

@@ -56,6 +56,15 @@ def add_model_option(parser: argparse.ArgumentParser, runner: bool = True) -> No
         )
 
 
+def add_prefix_reuse_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-prefix-reuse",
+        action="store_true",
+        help="prefill every prompt whole, even where a finished request left its beginning in the cache "
+        "(the next turn of a chat, a shared system prompt): each output then depends on its request alone",
+    )
+
+
 def load_target(args: argparse.Namespace) -> LoadedModel:
     """The model ``--model``, ``--device``, ``--dtype`` and ``--weights`` describe."""
     loaded = load_model(args.model, dtype=DTYPES[args.dtype], device=resolve_device(args.device))
@@ -154,6 +163,7 @@ def build_engine(args: argparse.Namespace, loaded: LoadedModel, max_batch_size: 
         adaptive_budget=not args.fixed_budget,
         max_batch_size=max_batch_size,
         runner=args.runner,
+        reuse_prefixes=not args.no_prefix_reuse,
     )
 
 

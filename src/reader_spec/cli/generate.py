@@ -15,6 +15,7 @@ from tqdm import tqdm
 from reader_spec.cli.common import (
     add_drafting_options,
     add_model_option,
+    add_prefix_reuse_option,
     add_sampling_options,
     build_engine,
     load_target,
@@ -43,6 +44,7 @@ def add_parser(commands) -> None:
     add_sampling_options(gen)
     gen.add_argument("--batch-size", type=int, default=1, help="requests decoded together (default 1)")
     add_drafting_options(gen)
+    add_prefix_reuse_option(gen)
     gen.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     gen.set_defaults(handler=run)
@@ -73,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     outputs, seconds = _timed_run(engine, prompts, ids, config, args.batch_size, "reader")
     baseline, baseline_seconds = None, None
     if args.compare:
-        plain = Engine(loaded, runner=args.runner)
+        plain = Engine(loaded, runner=args.runner, reuse_prefixes=not args.no_prefix_reuse)
         plain.warm_up(args.batch_size)  # as the speculative engine was: neither run pays a first pass
         baseline, baseline_seconds = _timed_run(plain, prompts, ids, config, args.batch_size, "plain")
 

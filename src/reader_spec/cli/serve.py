@@ -7,7 +7,13 @@ import importlib.util
 import logging
 import os
 
-from reader_spec.cli.common import add_drafting_options, add_model_option, build_engine, load_target
+from reader_spec.cli.common import (
+    add_drafting_options,
+    add_model_option,
+    add_prefix_reuse_option,
+    build_engine,
+    load_target,
+)
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 
@@ -33,6 +39,7 @@ def add_parser(commands) -> None:
         "--max-queue", type=int, default=256, help="requests that may wait beyond the batch (256)"
     )
     add_drafting_options(serve)
+    add_prefix_reuse_option(serve)
     serve.add_argument(
         "--api-key",
         default=os.environ.get("READER_API_KEY"),

@@ -185,17 +185,15 @@ class RaggedKVCache(Cache):
         self.lengths[rows] += torch.tensor([len(kept) for kept in accepted])
 
     @torch.inference_mode()
-    def copy_row(self, src: int, dst: int) -> None:
-        """Copy a row's committed entries into another row (the cost probe fills rows from one prefill)."""
-        length = int(self.lengths[src])
+    def copy_row(self, src: int, dst: int, length: int | None = None) -> None:
+        """Copy a row's first ``length`` entries (default: its committed ones) into another row, which
+        then holds those (the cost probe fills rows from one prefill; a request reuses another's prefix)."""
+        length = int(self.lengths[src]) if length is None else length
         for layer in self.layers:
             if layer.keys is not None:
                 layer.keys[dst, :, :length] = layer.keys[src, :, :length]
                 layer.values[dst, :, :length] = layer.values[src, :, :length]
         self.lengths[dst] = length
-
-    def reset_row(self, row: int) -> None:
-        self.lengths[row] = 0
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length()

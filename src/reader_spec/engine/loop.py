@@ -31,7 +31,7 @@ from reader_spec.engine.runner import (
     max_context_of,
     synchronizer,
 )
-from reader_spec.engine.scheduler import Request, Scheduler
+from reader_spec.engine.scheduler import Admission, Request, Scheduler
 from reader_spec.engine.sequence import Output, RequestStats
 from reader_spec.engine.sequence import Sequence as DecodingSequence
 from reader_spec.engine.stopping import StopCriteria
@@ -74,6 +74,13 @@ class Engine:
     Two ways to drive it: :meth:`generate` for a list of prompts, or, for a server, :meth:`add_request`
     at any time and :meth:`step` in a loop (a request joins the running batch at the next step and
     leaves it the step it finishes; :meth:`cancel` drops one at once). ``generate`` is that loop.
+
+    With ``reuse_prefixes`` (the default) a request that begins with the text of a finished one (the
+    next turn of a chat, a shared system prompt) prefills only what follows it, in the row that holds
+    it (:class:`~reader_spec.engine.scheduler.Scheduler`). The reused keys and values are those the
+    earlier request computed, equal to a fresh prefill's up to float rounding (passes of other widths
+    may take other kernels), so an output can differ from a fresh engine's only at a near-tie; without
+    it every output depends on its request alone.
     """
 
     def __init__(
@@ -86,6 +93,7 @@ class Engine:
         costs: CostModel | None = None,
         max_batch_size: int = 1,
         runner: str = "auto",
+        reuse_prefixes: bool = True,
     ):
         if budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
@@ -94,7 +102,7 @@ class Engine:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.scheduler = Scheduler(max_batch_size)
+        self.scheduler = Scheduler(max_batch_size, reuse_prefixes)
         self._runner: ModelRunner | None = None
         self.drafter = drafter
         self.budget = budget if drafter is not None else 0
@@ -191,9 +199,9 @@ class Engine:
         runner = self._ensure_runner()
         admitted = self.scheduler.admit()
         if admitted:  # one growth of the cache for all of them, if any
-            runner.cache.reserve(max(self._room_for(r.tokens, r.config) for _, r in admitted))
-        for row, request in admitted:
-            self.scheduler.start(self._admit(runner, row, request))
+            runner.cache.reserve(max(self._room_for(a.request.tokens, a.request.config) for a in admitted))
+        for admission in admitted:
+            self.scheduler.start(self._admit(runner, admission))
         batch = self.scheduler.running
         if not batch:
             return []
@@ -203,7 +211,10 @@ class Engine:
         for seq, before in zip(list(batch), lengths, strict=True):
             output = None
             if seq.finish_reason is not None:
-                self.scheduler.finish(seq)
+                # The row holds the committed entries, the first tokens of the text (a stop may have
+                # cut the text inside the last accepted path).
+                held = min(int(runner.cache.lengths[seq.row]), len(seq.tokens))
+                self.scheduler.finish(seq, seq.tokens[:held])
                 output = self._retire(seq)
             updates.append(Update(seq.key, seq.request_id, seq.tokens[before:], output))
         return updates
@@ -217,6 +228,10 @@ class Engine:
         if isinstance(dropped, DecodingSequence) and self.drafter is not None:
             self.drafter.end(dropped.key)
         return dropped is not None
+
+    def forget_prefixes(self) -> None:
+        """No later request reuses what earlier ones left in the cache (a benchmark's repeats start cold)."""
+        self.scheduler.forget_prefixes()
 
     def calibrate(self, max_batch_size: int = 1, progress: bool = True) -> None:
         """Measure the verification costs the adaptive budget needs for batches up to ``max_batch_size``.
@@ -343,8 +358,9 @@ class Engine:
         return path
 
     # --- requests joining and leaving ------------------------------------------------------------
-    def _admit(self, runner: ModelRunner, row: int, request: Request) -> DecodingSequence:
+    def _admit(self, runner: ModelRunner, admission: Admission) -> DecodingSequence:
         started = time.perf_counter()
+        row, request = admission.row, admission.request
         tokens, config = request.tokens, request.config
         seq = DecodingSequence(
             request_id=request.request_id,
@@ -354,12 +370,14 @@ class Engine:
             prompt_length=len(tokens),
             stop=self._stop_criteria(config, len(tokens)),
             rule=rule_for(config),
-            stats=RequestStats(prompt_tokens=len(tokens)),
+            stats=RequestStats(prompt_tokens=len(tokens), cached_tokens=admission.reused),
             started=started,
         )
         # The last prompt token is the first root: prefill everything before it, so every later
         # step, this first one included, verifies a tree rooted at the pending token.
-        runner.prefill(row, tokens[:-1])
+        if admission.source is not None:
+            runner.cache.copy_row(admission.source, row, admission.reused)
+        runner.prefill(row, tokens[:-1], admission.reused)
         self._synchronize()
         seq.stats.prefill_seconds = time.perf_counter() - started
         if self.drafter is not None:
@@ -407,6 +425,7 @@ class Engine:
         if runner is None or (runner.cache.num_rows < rows and not self.scheduler.running):
             capacity = runner.cache.capacity if runner is not None else 64
             runner = self._runner = ModelRunner(self.model, rows, capacity, self.runner_kind)
+            self.scheduler.forget_prefixes()
             self._offer_cache(runner)
         return runner
 

@@ -213,11 +213,14 @@ class ModelRunner:
         return [outputs[i] for i in range(len(parts))]
 
     @torch.inference_mode()
-    def prefill(self, row: int, tokens: Sequence[int]) -> None:
-        """Fill a cache row with a prompt, in chunks. No logits: the engine prefills all but the last
-        prompt token, which is the root of the first verified tree."""
-        self.cache.reset_row(row)
-        for start in range(0, len(tokens), PREFILL_CHUNK):
+    def prefill(self, row: int, tokens: Sequence[int], reused: int = 0) -> None:
+        """Fill a cache row with a prompt, in chunks, past its first ``reused`` tokens (which the row
+        already holds: a prefix an earlier request left there). No logits: the engine prefills all but
+        the last prompt token, which is the root of the first verified tree."""
+        if not 0 <= reused <= min(len(tokens), int(self.cache.capacity)):
+            raise ValueError(f"cannot reuse {reused} tokens of a {len(tokens)}-token prefill")
+        self.cache.lengths[row] = reused
+        for start in range(reused, len(tokens), PREFILL_CHUNK):
             chunk = torch.tensor(tokens[start : start + PREFILL_CHUNK])
             n = chunk.shape[0]
             causal = torch.ones(n, n, dtype=torch.bool).tril_()

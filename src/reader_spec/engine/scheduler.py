@@ -1,9 +1,20 @@
-"""Which requests decode in the next step: waiting ones take free KV-cache rows in arrival order."""
+"""Which requests decode in the next step: waiting ones take free KV-cache rows in arrival order.
+
+A finished request's row keeps the keys and values of its text until another request takes it, so a
+request that starts with that text (the next turn of a conversation, a shared document, an agent
+resending its history) prefills only what follows: prefix reuse, as vLLM and SGLang cache prefixes, in
+a ragged cache whose unit is a row. A continuation takes the row itself; a request that shares only
+the row's beginning (another question about the same document) gets that beginning copied into an
+empty row, so that the row stays for its own next turn (a copy of a few thousand entries costs far
+less than a forward pass over them).
+"""
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
+from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 
 from reader_spec.config import GenerationConfig
@@ -20,17 +31,36 @@ class Request:
     config: GenerationConfig
 
 
+@dataclass(frozen=True)
+class Admission:
+    """A request that starts now, in ``row``, whose first ``reused`` tokens that row holds already, or
+    will once they are copied from row ``source``."""
+
+    row: int
+    request: Request
+    reused: int = 0
+    source: int | None = None
+
+
 class Scheduler:
     """Waiting requests (first come, first served) and the running batch, in ascending cache rows.
 
-    A finished or cancelled sequence frees its row at once; nothing else moves.
+    A finished or cancelled sequence frees its row at once; nothing else moves. With ``reuse_prefixes``
+    a free row remembers the tokens whose keys and values it holds, and a request reuses the longest
+    prefix any of them holds: in that row where taking it discards no more than it reuses, else
+    copied into an empty row where there is one. A request that reuses nothing takes an empty row, or
+    the one freed longest ago.
     """
 
-    def __init__(self, num_rows: int) -> None:
+    def __init__(self, num_rows: int, reuse_prefixes: bool = True) -> None:
         self.num_rows = num_rows
+        self.reuse_prefixes = reuse_prefixes
         self.waiting: deque[Request] = deque()
         self.running: list[Sequence] = []
         self.free_rows = list(range(num_rows))
+        self.held: dict[int, tuple[list[int], int]] = {}
+        """Free rows that hold a finished request's text: its tokens and when it was freed."""
+        self._frees = itertools.count()
 
     def __len__(self) -> int:
         """Requests not finished: waiting or running."""
@@ -39,19 +69,44 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def admit(self) -> list[tuple[int, Request]]:
+    def admit(self) -> list[Admission]:
         """The waiting requests that start now, each with the row it takes."""
         admitted = []
         while self.waiting and self.free_rows:
-            admitted.append((self.free_rows.pop(0), self.waiting.popleft()))
+            admission = self._place(self.waiting.popleft())
+            self.free_rows.remove(admission.row)
+            self.held.pop(admission.row, None)
+            admitted.append(admission)
         return admitted
+
+    def _place(self, request: Request) -> Admission:
+        """Where ``request`` starts. The last prompt token is never reused: it is the root of the first
+        verified tree, whose pass computes it."""
+        wanted = request.tokens[:-1]
+        reused = {row: common_prefix(held, wanted) for row, (held, _) in self.held.items()}
+        empty = [row for row in self.free_rows if row not in self.held]
+        best = max(reused, key=lambda row: (reused[row], -self.held[row][1]), default=None)
+        if best is None or reused[best] == 0:
+            oldest = min(self.held, key=lambda row: self.held[row][1], default=None)
+            return Admission(empty[0] if empty else oldest, request)
+        discarded = len(self.held[best][0]) - reused[best]
+        if discarded <= reused[best] or not empty:
+            return Admission(best, request, reused[best])
+        return Admission(empty[0], request, reused[best], source=best)
 
     def start(self, seq: Sequence) -> None:
         bisect.insort(self.running, seq, key=lambda s: s.row)
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence, held: Tokens[int] = ()) -> None:
+        """``seq`` leaves the batch; its row keeps the keys and values of ``held`` (its first tokens)."""
         self.running.remove(seq)
         bisect.insort(self.free_rows, seq.row)
+        if self.reuse_prefixes and held:
+            self.held[seq.row] = (list(held), next(self._frees))
+
+    def forget_prefixes(self) -> None:
+        """Free rows hold nothing reusable any more (a new cache, or a run that must start cold)."""
+        self.held.clear()
 
     def cancel(self, key: int) -> Sequence | Request | None:
         """Drop a request wherever it is; a running one's row is freed. None if unknown or done."""
@@ -70,3 +125,15 @@ class Scheduler:
         if num_rows > self.num_rows:
             self.free_rows.extend(range(self.num_rows, num_rows))
             self.num_rows = num_rows
+
+
+def common_prefix(a: Tokens[int], b: Tokens[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (by halving: slices compare in C)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low

@@ -41,6 +41,8 @@ class DraftCounts:
 @dataclass(kw_only=True)
 class RequestStats(DraftCounts):
     prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens whose keys and values an earlier request left in the row: not prefilled."""
     accept_lengths: list[int] = field(default_factory=list)
     """Tokens each pass emitted, bonus included (Spec-Bench's accept lengths; sums to ``new_tokens``)."""
     accepted_by_source: dict[str, int] = field(default_factory=dict)

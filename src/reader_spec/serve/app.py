@@ -259,6 +259,8 @@ class _Reply:
         self.stream, self.service, self.tokenizer = stream, service, tokenizer
         self.hold_back = max((len(s) for s in config.stop_strings), default=1) - 1
         self.tokens: list[int] = []
+        self.cached_tokens = 0
+        """Prompt tokens an earlier request left in the cache (OpenAI's ``cached_tokens``)."""
         self.sent = ""
 
     async def updates(self) -> AsyncIterator[Update]:
@@ -277,6 +279,8 @@ class _Reply:
                     done = True
                     raise OpenAIError(500, "the engine failed on this request")
                 self.tokens.extend(item.new_tokens)
+                if item.output is not None:
+                    self.cached_tokens = item.output.stats.cached_tokens
                 yield item
         finally:
             if not done:
@@ -298,7 +302,12 @@ class _Reply:
     def usage(self) -> dict:
         completion = len(self.tokens)
         prompt = self.stream.prompt_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
     def chunk(self, choice: dict) -> dict:
         kind = "chat.completion.chunk" if self.kind == "chat.completion" else self.kind

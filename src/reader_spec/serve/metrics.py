@@ -22,6 +22,11 @@ class Metrics:
         self.prompt_tokens = Counter(
             "reader_prompt_tokens", "Prompt tokens of finished requests", registry=registry
         )
+        self.cached_prompt_tokens = Counter(
+            "reader_cached_prompt_tokens",
+            "Prompt tokens of finished requests found in the cache (not prefilled)",
+            registry=registry,
+        )
         self.generated_tokens = Counter("reader_generated_tokens", "Tokens generated", registry=registry)
         self.queue_length = Gauge(
             "reader_queue_length", "Requests waiting for a batch slot", registry=registry
@@ -63,6 +68,7 @@ class Metrics:
     def record_output(self, output: Output) -> None:
         stats = output.stats
         self.prompt_tokens.inc(stats.prompt_tokens)
+        self.cached_prompt_tokens.inc(stats.cached_tokens)
         self.generated_tokens.inc(stats.new_tokens)
         self.steps.inc(stats.steps)
         self.drafted.inc(stats.drafted)
