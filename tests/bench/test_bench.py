@@ -294,6 +294,15 @@ def test_report_figures(report):
     assert report.settings["batch_1_only"] == ["hf-pld"]
 
 
+def test_engine_methods_prefill_a_second_turn_past_their_first_turns_text(report):
+    turns = {(r.method, r.turn): r for r in report.prompts if r.question == 1}
+    for method in ("ar", "reader"):
+        assert turns[method, 1].cached_tokens >= turns[method, 0].prompt_tokens
+        assert turns[method, 1].cached_tokens < turns[method, 1].prompt_tokens
+    assert turns["hf", 1].cached_tokens == turns["hf-pld", 1].cached_tokens == 0
+    assert report.settings["prefix_reuse"] is True
+
+
 def test_accepted_tokens_are_attributed_to_sources(report):
     for r in report.prompts:
         attributed = sum(r.accepted_by_source.values())

@@ -74,6 +74,8 @@ class Generation:
     """Time in the target model's forward passes, prefill included."""
     accepted_by_source: dict[str, int] = field(default_factory=dict)
     """Accepted draft tokens by the drafter's source that proposed them (engine methods)."""
+    cached_tokens: int = 0
+    """Prompt tokens an earlier request left in the cache, not prefilled (engine methods)."""
 
 
 class Method(Protocol):
@@ -141,6 +143,7 @@ class EngineMethod:
                 draft_seconds=o.stats.draft_seconds,
                 verify_seconds=o.stats.prefill_seconds + o.stats.verify_seconds,
                 accepted_by_source=dict(o.stats.accepted_by_source),
+                cached_tokens=o.stats.cached_tokens,
             )
             for o in outputs
         ]

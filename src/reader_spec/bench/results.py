@@ -41,6 +41,8 @@ class PromptResult:
     identical: bool
     peak_rss_mib: float
     accepted_by_source: dict[str, int] = field(default_factory=dict)
+    cached_tokens: int = 0
+    """Prompt tokens found in the cache (prefix reuse), not prefilled."""
 
     @property
     def steps(self) -> int:

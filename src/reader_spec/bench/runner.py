@@ -310,6 +310,7 @@ def _prompt_result(
         draft_seconds=output.draft_seconds,
         verify_seconds=output.verify_seconds,
         identical=output.tokens == reference,
+        cached_tokens=output.cached_tokens,
         peak_rss_mib=peak,
         accepted_by_source=output.accepted_by_source,
     )
