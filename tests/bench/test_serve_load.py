@@ -22,17 +22,21 @@ FLAT_COSTS = CostModel(measure=lambda batch, drafted, context: dict.fromkeys(dra
 def report(tiny, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("READER_SPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
-        return run_serve_load(tiny, PROMPTS, concurrency=[1, 2], max_new_tokens=MAX_NEW, costs=FLAT_COSTS)
+        conversations = [[p] for p in PROMPTS]
+        return run_serve_load(
+            tiny, conversations, concurrency=[1, 2], max_new_tokens=MAX_NEW, costs=FLAT_COSTS
+        )
 
 
 def test_runs_come_off_then_on_at_each_concurrency(report):
     order = [(r.concurrency, r.speculation) for r in report.runs]
     assert order == [(1, False), (1, True), (2, False), (2, True)]
     for run in report.runs:
-        assert sorted(r.prompt for r in run.requests) == list(range(len(PROMPTS)))
+        assert [(r.conversation, r.turn) for r in run.requests] == [(i, 0) for i in range(len(PROMPTS))]
         assert 1 <= run.peak_in_flight <= run.concurrency
     assert report.runs[2].peak_in_flight == 2
-    assert report.settings["concurrency"] == [1, 2] and report.settings["prompts"] == len(PROMPTS)
+    assert report.settings["concurrency"] == [1, 2]
+    assert report.settings["conversations"] == report.settings["requests"] == len(PROMPTS)
 
 
 def test_token_counts_add_up(report):
@@ -73,6 +77,46 @@ def test_markdown_and_json_files(report, tmp_path):
     assert [p.name for p in written] == ["serve.json", "serve.md"]
     assert json.loads(written[0].read_text()) == json.loads(json.dumps(report.as_dict()))
     assert written[1].read_text() == table + "\n"
+
+
+def test_a_conversations_next_turn_finds_its_first_turn_in_the_cache(tiny, tmp_path, monkeypatch):
+    """Later turns carry the conversation so far; the server reuses what the first turn left, and
+    their outputs are the same with speculation on and off, and with reuse off."""
+    monkeypatch.setenv("READER_SPEC_CACHE", str(tmp_path))
+    conversations = [[PROMPTS[0], "w9 w8 w9"], [PROMPTS[1]], [PROMPTS[2], "w8 w9 w8", "w40 w41"]]
+    reports = {
+        reuse: run_serve_load(
+            tiny,
+            conversations,
+            concurrency=[2],
+            max_new_tokens=MAX_NEW,
+            costs=FLAT_COSTS,
+            reuse_prefixes=reuse,
+        )
+        for reuse in (True, False)
+    }
+    with_reuse, without = reports[True].runs, reports[False].runs
+    assert [(r.conversation, r.turn) for r in with_reuse[0].requests] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (2, 0),
+        (2, 1),
+        (2, 2),
+    ]
+    for run in with_reuse:
+        assert run.identical in (None, 6)
+        for request in run.requests:
+            if request.turn > 0:  # at least the first turn's prompt (the answer, where it reads back alike)
+                first = next(r for r in run.requests if (r.conversation, r.turn) == (request.conversation, 0))
+                assert first.prompt_tokens <= request.cached_tokens < request.prompt_tokens
+        assert run.as_dict()["later_turns_ttft_p50"] is not None
+    assert all(r.cached_tokens == 0 for run in without for r in run.requests)
+    assert [r.text for r in with_reuse[1].requests] == [r.text for r in without[1].requests]
+    assert (
+        "later turns' TTFT p50 ms" in reports[True].markdown()
+        and "prefix reuse on" in reports[True].markdown()
+    )
 
 
 def test_a_missing_serve_extra_is_one_line(capsys, monkeypatch):

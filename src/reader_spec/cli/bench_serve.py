@@ -11,7 +11,7 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from reader_spec.cli.common import add_model_option, load_target
+from reader_spec.cli.common import add_model_option, add_prefix_reuse_option, load_target
 from reader_spec.engine.loop import DEFAULT_BUDGET
 
 NEEDED = ("fastapi", "uvicorn", "prometheus_client", "httpx")
@@ -24,11 +24,13 @@ def add_parser(commands) -> None:
         "bench-serve",
         help="load the OpenAI server with concurrent streaming requests, speculation on and off",
         description="Start the server in this process and drive it with concurrent streaming chat "
-        "clients over Spec-Bench first-turn prompts (categories interleaved): at each concurrency, "
+        "clients over Spec-Bench questions (categories interleaved; first turns, or whole conversations "
+        "with --turns all): at each concurrency, "
         "speculation off then on, batch size = concurrency. Reports throughput, time to first token and "
         "inter-token latency (p50, p99), the speedup of speculation, and whether outputs are identical.",
     )
     add_model_option(bench)
+    add_prefix_reuse_option(bench)
     bench.add_argument(
         "--concurrency",
         nargs="+",
@@ -38,6 +40,13 @@ def add_parser(commands) -> None:
         help="clients sending requests at once (default: 1 8 32)",
     )
     bench.add_argument("--limit", type=int, default=1, help="questions per category (default 1)")
+    bench.add_argument(
+        "--turns",
+        choices=["first", "all"],
+        default="first",
+        help="first: each question's first message; all: a client sends a question's every message in "
+        "turn, each after the answer to the last, with the conversation so far (default first)",
+    )
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument(
         "--budget",
@@ -63,22 +72,23 @@ def run(args: argparse.Namespace) -> int:
     from reader_spec.drafters.retrieval.datastore import Datastore
 
     questions = interleave_categories(per_category(load_questions(), args.limit))
-    prompts = [q.turns[0] for q in questions]
-    if len(prompts) < max(args.concurrency):
+    conversations = [list(q.turns) if args.turns == "all" else [q.turns[0]] for q in questions]
+    if len(conversations) < max(args.concurrency):
         log.info(
-            "%d prompts: concurrency above that never has more requests in flight (raise --limit)",
-            len(prompts),
+            "%d conversations: concurrency above that never has more requests in flight (raise --limit)",
+            len(conversations),
         )
     loaded = load_target(args)
     datastore = Datastore.open(args.datastore, fingerprint=loaded.fingerprint) if args.datastore else None
     report = run_serve_load(
         loaded,
-        prompts,
+        conversations,
         concurrency=args.concurrency,
         max_new_tokens=args.max_new_tokens,
         budget=args.budget,
         datastore=datastore,
         runner=args.runner,
+        reuse_prefixes=not args.no_prefix_reuse,
         environment=environment(loaded),
         progress=log.info,
     )
