@@ -18,7 +18,8 @@ class GenerationConfig:
 
     Token choice follows transformers' order: repetition penalty, temperature, top-k, top-p, min-p.
     ``temperature=0`` is greedy decoding. With a ``seed`` the output depends only on the request and
-    the seed, never on the drafter or the batch; without one every run draws fresh randomness.
+    the seed, never on the drafter or the batch (an engine that reuses prefixes may differ from a
+    fresh one at a near-tie: ``Engine``); without one every run draws fresh randomness.
     """
 
     max_new_tokens: int = 128
