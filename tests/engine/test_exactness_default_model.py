@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from reader_spec.bench.runner import turn_messages
 from reader_spec.bench.spec_bench import interleave_categories, load_questions, per_category
 from reader_spec.config import GenerationConfig
 from reader_spec.drafters import ReaderDrafter
@@ -212,3 +213,32 @@ def test_self_draft_seeded_sampling_equals_plain_sampling(
         smollm, prompts, questions, plain_sampled[1], got, "self-draft sampling batch 8", configs
     )
     assert sum(o.stats.accepted for o in outputs) > 100
+
+
+# --- second turns on the rows their first turns left (prefix reuse) -----------------------------------
+def test_second_turns_on_reused_rows_equal_fresh_plain_decoding(
+    smollm, smollm_engine, prompts, questions, plain, drafter
+):
+    """Each two-turn question as a conversation on one speculative engine: its second turn (carrying
+    plain decoding's first answer) prefills only past the first turn's row, and must give what plain
+    decoding gives on an engine that reuses nothing."""
+    chosen = [i for i, q in enumerate(questions) if len(q.turns) > 1]
+    assert len(chosen) >= 16
+    second = [
+        encode_prompt(
+            smollm.tokenizer,
+            turn_messages(questions[i], 1, [smollm.tokenizer.decode(plain[i], skip_special_tokens=True)]),
+        )
+        for i in chosen
+    ]
+    fresh = Engine(smollm_engine, reuse_prefixes=False).generate(second, CONFIG, batch_size=8)
+    engine = Engine(smollm_engine, drafter())
+    outputs = []
+    for i, prompt in zip(chosen, second, strict=True):
+        engine.generate([prompts[i]], CONFIG)
+        outputs.append(engine.generate([prompt], CONFIG)[0])
+    assert all(o.stats.cached_tokens >= len(prompts[i]) for i, o in zip(chosen, outputs, strict=True))
+    label = "second turns on reused rows, batch 1"
+    picked = [questions[i] for i in chosen]
+    got = [o.tokens for o in outputs]
+    assert_same_or_near_tie(smollm, second, picked, [o.tokens for o in fresh], got, label)
