@@ -6,6 +6,7 @@ from torch import nn
 
 import reader_spec.engine.weights as weights
 from reader_spec.engine import kernels
+from reader_spec.engine.layouts import int4_fits
 from reader_spec.engine.weights import PackedLinear, pack_linears
 
 TOL = 1e-5
@@ -293,7 +294,7 @@ def grid_linear(out_features: int, in_features: int, bias: bool, seed: int, stor
 def test_int4_keeps_a_gguf_files_matrices_exactly(grouped):
     module = grid_linear(100, 96, bias=True, seed=4, stored=grouped)  # 100 outputs: a partial last block
     weight, bias = module.weight.clone(), module.bias.clone()
-    assert weights.int4_fits(weight) == (grouped == "int4")
+    assert int4_fits(weight) == (grouped == "int4")
     packed, _ = pack_linears([module], weights="int4")
     assert packed.weight_format == grouped and packed.blocked and grouped in repr(packed)
     bits = weights.GROUPED_BITS[grouped]
@@ -310,13 +311,13 @@ def test_int4_keeps_a_gguf_files_matrices_exactly(grouped):
 def test_int4_stores_a_float_matrix_in_8_bits_per_group_or_per_row():
     float_matrix = linear(40, 64, bias=False, seed=1)
     weight = float_matrix.weight.clone()
-    assert not weights.int4_fits(weight)
+    assert not int4_fits(weight)
     packed, _ = pack_linears([float_matrix], weights="int4")
     assert packed.weight_format == weights.INT8_GROUPED
     groups = weight.view(40, 2, 32)
     step = groups.abs().amax(-1, keepdim=True) / 127  # half a step of each group's own scale, at most
     assert ((packed.plain_weight().view(40, 2, 32) - groups).abs() <= step * 0.5 * 1.01).all()
-    assert not weights.int4_fits(q4_grid(8, 64, 0)[:, :48])  # 48 inputs: not whole groups of 32
+    assert not int4_fits(q4_grid(8, 64, 0)[:, :48])  # 48 inputs: not whole groups of 32
     other, _ = pack_linears([linear(8, 48, bias=False, seed=2)], weights="int4")
     assert other.weight_format == "int8"
 

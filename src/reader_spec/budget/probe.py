@@ -17,9 +17,10 @@ import torch
 from transformers import PreTrainedModel
 
 from reader_spec.engine import kernels
+from reader_spec.engine.layouts import BLOCK, to_blocks
 from reader_spec.engine.runner import ModelRunner, max_context_of, synchronizer, text_config
 from reader_spec.engine.tree import DraftTree
-from reader_spec.engine.weights import BLOCK, ROW_BUCKETS, PackedLinear, to_blocks
+from reader_spec.engine.weights import ROW_BUCKETS, PackedLinear
 
 PROBE_SEED = 0
 PROBE_ROUNDS = 9

@@ -30,7 +30,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
-from reader_spec.engine.weights import best_times
+from reader_spec.engine.timing import best_times
 
 PACKED_SDPA = "reader_packed_sdpa"
 PACKED_EAGER = "reader_packed_eager"

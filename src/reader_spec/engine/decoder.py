@@ -23,10 +23,6 @@ transformers (``ModelRunner``).
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import functools
-import inspect
 import sys
 from dataclasses import dataclass
 
@@ -39,21 +35,21 @@ from reader_spec.engine import kernels
 from reader_spec.engine.attention import PackedLayout, additive, packed
 from reader_spec.engine.greedy_head import GreedyHead
 from reader_spec.engine.kv_cache import RaggedKVCache, RaggedLayer
-from reader_spec.engine.memory import PageArena
-from reader_spec.engine.weights import (
-    ROW_BUCKETS,
-    PackedLinear,
-    best_times,
-    pack_linears,
-    packed_bytes,
-    time_together,
+from reader_spec.engine.layers import (
+    PackedLayer,
+    layer_kinds,
+    native_layer,
+    native_stack,
+    pack_layer,
+    stack_kinds,
 )
+from reader_spec.engine.memory import PageArena
+from reader_spec.engine.rotary import RotaryTables, Rotation
+from reader_spec.engine.timing import best_times
+from reader_spec.engine.weights import ROW_BUCKETS, PackedLinear, pack_linears, packed_bytes, time_together
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 """``model_type`` values the fast decoder runs; the rest use transformers' forward."""
-
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-"""Rotary embeddings that depend on the position only, so one table serves every pass."""
 
 NATIVE_ROWS = 64
 """Passes of up to this many tokens (plain steps, trees, batches) always run the compiled attention
@@ -70,55 +66,6 @@ def supports(model: PreTrainedModel) -> bool:
         and type(model).__name__.endswith("ForCausalLM")
         and not getattr(config, "is_encoder_decoder", False)
     )
-
-
-@dataclass
-class _Layer:
-    input_norm: nn.Module
-    qkv: PackedLinear
-    heads: int
-    query_norm: nn.Module | None
-    key_norm: nn.Module | None
-    output: PackedLinear
-    attention_output_norm: nn.Module | None
-    """Gemma: a norm on the attention's output before the residual."""
-    mlp_input_norm: nn.Module
-    mlp_output_norm: nn.Module | None
-    gate_up: PackedLinear
-    down: PackedLinear
-    activation: nn.Module
-    attention: nn.Module
-    kind: str
-    """``full_attention`` or ``sliding_attention``: which mask (and, for Gemma 3, rotary table)."""
-    softcap: float | None
-    native: torch.ScriptObject | None = None
-    """The whole layer as one compiled call (``DecoderLayer`` of :mod:`.kernels`), where it has the
-    Llama shape and runs on a CPU in float32."""
-
-    compiled_by_rows: dict[int, list[bool]] = dataclasses.field(default_factory=dict)
-    """For each of :attr:`linears`, whether the compiled kernel multiplies that many rows."""
-
-    @property
-    def linears(self) -> tuple[PackedLinear, ...]:
-        return self.qkv, self.output, self.gate_up, self.down
-
-    def compiled_at(self, rows: int) -> list[bool]:
-        flags = self.compiled_by_rows.get(rows)
-        if flags is None:
-            flags = self.compiled_by_rows[rows] = [linear.compiled_at(rows) for linear in self.linears]
-        return flags
-
-    def __deepcopy__(self, memo: dict) -> _Layer:
-        """A copy over the copied modules, its compiled layer built again (those cannot be copied)."""
-        fields = {
-            f.name: copy.deepcopy(getattr(self, f.name), memo)
-            for f in dataclasses.fields(self)
-            if f.name != "native"
-        }
-        copied = _Layer(**fields)
-        if self.native is not None:
-            copied.native = _native_layer(copied)
-        return copied
 
 
 @dataclass
@@ -151,9 +98,7 @@ class FastDecoder:
         )
         self.head_dim = attention0.head_dim
         self.scaling = attention0.scaling
-        self.rotary = core.rotary_emb
-        self.rotary_by_kind = "layer_type" in inspect.signature(self.rotary.forward).parameters
-        self.rotary_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rotary = RotaryTables(core.rotary_emb)
         self.final_softcap = getattr(model.config, "final_logit_softcapping", None)
         self.norm = core.norm
         self.embed = core.embed_tokens
@@ -170,20 +115,20 @@ class FastDecoder:
         if tied:
             core.embed_tokens = self.embed = _TiedEmbedding(self.lm_head, scale)
         self.layers = [
-            self._pack_layer(layer, kind)
-            for layer, kind in zip(core.layers, _kinds(model.config), strict=True)
+            pack_layer(layer, kind, self.head_dim, weights, self.arena)
+            for layer, kind in zip(core.layers, layer_kinds(model.config), strict=True)
         ]
         time_together([self.lm_head, *(linear for layer in self.layers for linear in layer.linears)])
         self.attend = packed(self._attention)
         self.fused = _on_cpu(model) and kernels.available()
         """Whether the small operators between the products run as the compiled ops of
         :mod:`reader_spec.engine.kernels` (``layer_ops.cpp``)."""
-        self.native = self.fused and _rotates_whole_heads(self.rotary, self.head_dim)
+        self.native = self.fused and self.rotary.whole_heads(self.head_dim)
         """Whether layers of the Llama shape run whole as compiled calls (``decoder_layer.cpp``)."""
         if self.native:
             for layer in self.layers:
-                layer.native = _native_layer(layer)
-        self.stack = _native_stack(self.layers)
+                layer.native = native_layer(layer)
+        self.stack = native_stack(self.layers)
         """Every layer as one compiled call (``DecoderStack``), where each has one; else None."""
         # Soft-capping can map distinct logits to one float and change which is first among equals.
         exact_argmax = self.final_softcap is None and GreedyHead.applies(self.lm_head)
@@ -196,56 +141,7 @@ class FastDecoder:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.stack = _native_stack(self.layers)
-
-    def _pack_layer(self, layer: nn.Module, kind: str) -> _Layer:
-        attention, mlp = layer.self_attn, layer.mlp
-        if hasattr(attention, "qkv_proj"):  # Phi-3: query, key and value are already one matrix
-            config = attention.config
-            heads = config.num_attention_heads * self.head_dim
-            kv_heads = config.num_key_value_heads * self.head_dim
-            qkv, _ = pack_linears(
-                [attention.qkv_proj],
-                parts=(heads, kv_heads, kv_heads),
-                weights=self.weights,
-                arena=self.arena,
-            )
-            attention.qkv_proj = qkv
-        else:
-            qkv, views = pack_linears(
-                [attention.q_proj, attention.k_proj, attention.v_proj], weights=self.weights, arena=self.arena
-            )
-            attention.q_proj, attention.k_proj, attention.v_proj = views
-        attention.o_proj, _ = pack_linears([attention.o_proj], weights=self.weights, arena=self.arena)
-        if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate and up are one matrix too
-            half = mlp.gate_up_proj.out_features // 2  # nn.Linear's or, packed before, PackedLinear's
-            gate_up, _ = pack_linears(
-                [mlp.gate_up_proj], parts=(half, half), weights=self.weights, arena=self.arena
-            )
-            mlp.gate_up_proj = gate_up
-        else:
-            gate_up, (mlp.gate_proj, mlp.up_proj) = pack_linears(
-                [mlp.gate_proj, mlp.up_proj], weights=self.weights, arena=self.arena
-            )
-        mlp.down_proj, _ = pack_linears([mlp.down_proj], weights=self.weights, arena=self.arena)
-        gemma = hasattr(layer, "pre_feedforward_layernorm")
-        return _Layer(
-            input_norm=layer.input_layernorm,
-            qkv=qkv,
-            heads=qkv.parts[0][1] // self.head_dim,
-            query_norm=getattr(attention, "q_norm", None),
-            key_norm=getattr(attention, "k_norm", None),
-            output=attention.o_proj,
-            attention_output_norm=layer.post_attention_layernorm if gemma else None,
-            mlp_input_norm=layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm,
-            mlp_output_norm=layer.post_feedforward_layernorm if gemma else None,
-            gate_up=gate_up,
-            down=mlp.down_proj,
-            activation=getattr(mlp, "act_fn", None) or mlp.activation_fn,
-            attention=attention,
-            kind=kind,
-            softcap=getattr(attention, "attn_logit_softcapping", None),
-        )
+        self.stack = native_stack(self.layers)
 
     @torch.inference_mode()
     def __call__(
@@ -263,7 +159,7 @@ class FastDecoder:
         :meth:`greedy_tokens` then runs the output layer."""
         hidden = self.embed(input_ids)
         kinds = {layer.kind for layer in self.layers}
-        rotary = {kind: self._rotary(hidden, positions, kind) for kind in kinds}
+        rotary = {kind: self.rotary(hidden, positions, kind) for kind in kinds}
         tokens = input_ids.shape[0]
         plan = self._plan(cache, widths, masks, hidden) if self.attends_compiled(tokens) else None
         if plan is None:
@@ -286,7 +182,7 @@ class FastDecoder:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer in one compiled call: the residual stream (``hidden``, added to in place) and
         the last layer's MLP output, which the final norm adds."""
-        kinds = _stack_kinds(self.layers)
+        kinds = stack_kinds(self.layers)
         residual = self.stack.forward(
             hidden,
             [rotary[kind].cos for kind in kinds],
@@ -425,7 +321,7 @@ class FastDecoder:
             return torch.ops.reader_spec.silu_mul(gate, up)
         return activation(gate) * up
 
-    def _query_key(self, layer: _Layer, qkv: torch.Tensor, tokens: int) -> torch.Tensor:
+    def _query_key(self, layer: PackedLayer, qkv: torch.Tensor, tokens: int) -> torch.Tensor:
         """Queries and keys as one ``[tokens, heads + kv_heads, head_dim]`` block (a view where they lie
         side by side; normed per head where the family does)."""
         (query_start, query_size), (key_start, key_size), _ = layer.qkv.parts
@@ -475,7 +371,7 @@ class FastDecoder:
 
     def _attend(
         self,
-        layer: _Layer,
+        layer: PackedLayer,
         query: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
@@ -505,57 +401,6 @@ class FastDecoder:
             query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
         )
         return output.transpose(1, 2), None
-
-    def _rotary(self, hidden: torch.Tensor, positions: torch.Tensor, kind: str) -> Rotation:
-        """cos and sin at ``positions``, from a table grown by doubling (the model's own module)."""
-        extra = (kind,) if self.rotary_by_kind else ()
-        rope_type = getattr(self.rotary, "rope_type", "default")
-        if isinstance(rope_type, dict):  # one per layer type (Gemma 3)
-            rope_type = rope_type.get(kind, "default")
-        if rope_type not in STATIC_ROPE_TYPES:
-            cos, sin = self.rotary(hidden, positions[None], *extra)
-            return Rotation(cos[0], sin[0])
-        needed = int(positions.max()) + 1
-        table = self.rotary_tables.get(kind)
-        if table is None or table[0].shape[1] < needed:
-            size = max(needed, 2 * (0 if table is None else table[0].shape[1]), 1024)
-            table = self.rotary_tables[kind] = self.rotary(
-                hidden, torch.arange(size, device=hidden.device)[None], *extra
-            )
-        cos, sin = table
-        return Rotation(cos[0, positions], sin[0, positions])
-
-
-@dataclass
-class Rotation:
-    """The rotary embedding of a pass: cos and sin at its positions, ``[tokens, rotated dims]``."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-    def whole(self, head_dim: int) -> bool:
-        """Whether it turns whole heads (else the first dims only: Phi-3 variants, partial factors)."""
-        return self.cos.shape[-1] == head_dim
-
-    @functools.cached_property
-    def _per_head(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin broadcast over heads, sin's first half negated: ``rotate_half`` folded into it,
-        once per pass rather than per layer."""
-        half = self.sin.shape[-1] // 2
-        signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
-        return self.cos[:, None], signed[:, None]
-
-    def rotate(self, heads: torch.Tensor) -> torch.Tensor:
-        """``x cos + rotate_half(x) sin`` of ``[tokens, heads, head_dim]``, the rotated dims first: the
-        families' formula, bit for bit (``rotate_half(x) sin`` = ``roll(x) x signed sin``), in four
-        kernels instead of seven."""
-        cos, signed_sin = self._per_head
-        dims = cos.shape[-1]
-        turned = heads[..., :dims] if dims != heads.shape[-1] else heads
-        rotated = turned * cos + turned.roll(dims // 2, dims=-1) * signed_sin
-        if turned is heads:
-            return rotated
-        return torch.cat((rotated, heads[..., dims:]), dim=-1)
 
 
 _ATTENTION_CHOICES: dict[tuple[int, int, int, int], bool] = {}
@@ -613,80 +458,6 @@ def _norm(norm: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     if epsilon is None:
         return norm(hidden)
     return nn.functional.rms_norm(hidden, norm.weight.shape, norm.weight, epsilon)
-
-
-def _rotates_whole_heads(rotary: nn.Module, head_dim: int) -> bool:
-    """Whether the rotary embedding turns whole heads, as the compiled layers do (a partial factor, in
-    some Phi-3 variants, turns the first dims only)."""
-    inv_freq = getattr(rotary, "inv_freq", None)
-    return inv_freq is None or 2 * inv_freq.shape[-1] == head_dim
-
-
-def _native_layer(layer: _Layer) -> torch.ScriptObject | None:
-    """The layer as one compiled ``DecoderLayer`` where it has the Llama shape (RMSNorms of one epsilon,
-    SiLU, no norms after attention or MLP, queries and keys side by side, no soft-capping); else None."""
-    norms = [layer.input_norm, layer.mlp_input_norm]
-    if layer.query_norm is not None:
-        norms += [layer.query_norm, layer.key_norm]
-    epsilons = {getattr(norm, "variance_epsilon", None) for norm in norms}
-    (query_start, query_size), (key_start, key_size), (value_start, _) = layer.qkv.parts
-    (_, intermediate), (up_start, _) = layer.gate_up.parts
-    llama_shaped = (
-        len(epsilons) == 1
-        and None not in epsilons
-        and layer.attention_output_norm is None
-        and layer.mlp_output_norm is None
-        and isinstance(layer.activation, (nn.SiLU, SiLUActivation))
-        and layer.softcap is None
-        and query_start == 0
-        and key_start == query_size
-        and all(linear.blocked for linear in layer.linears)
-    )
-    if not llama_shaped:
-        return None
-    head_dim = query_size // layer.heads
-    classes = torch.classes.reader_spec
-    return classes.DecoderLayer(
-        layer.input_norm.weight,
-        None if layer.query_norm is None else layer.query_norm.weight,
-        None if layer.key_norm is None else layer.key_norm.weight,
-        layer.mlp_input_norm.weight,
-        epsilons.pop(),
-        *(classes.Linear(m.weight, m.scales, m.bias, m.in_features, m.out_features) for m in layer.linears),
-        layer.heads,
-        key_size // head_dim,
-        head_dim,
-        value_start,
-        up_start,
-        intermediate,
-        layer.attention.scaling,
-    )
-
-
-def _stack_kinds(layers: list[_Layer]) -> list[str]:
-    """The layers' attention kinds in the order a ``DecoderStack`` numbers them."""
-    return sorted({layer.kind for layer in layers})
-
-
-def _native_stack(layers: list[_Layer]) -> torch.ScriptObject | None:
-    """All layers as one compiled ``DecoderStack`` where every layer has a compiled form; else None."""
-    if not layers or any(layer.native is None for layer in layers):
-        return None
-    kinds = _stack_kinds(layers)
-    stack = torch.classes.reader_spec.DecoderStack()
-    for layer in layers:
-        stack.add(layer.native, kinds.index(layer.kind))
-    return stack
-
-
-def _kinds(config) -> list[str]:
-    """Each layer's attention kind: its ``layer_types`` entry, or sliding everywhere where a window is
-    set without them (Mistral)."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return list(layer_types[: config.num_hidden_layers])
-    kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
-    return [kind] * config.num_hidden_layers
 
 
 class _TiedEmbedding(nn.Module):

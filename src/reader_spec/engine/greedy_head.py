@@ -29,16 +29,10 @@ from __future__ import annotations
 import torch
 
 from reader_spec.engine import kernels
+from reader_spec.engine.layouts import BLOCK, INT8_GROUP, quantize_int8, to_groups
 from reader_spec.engine.memory import PageArena
-from reader_spec.engine.weights import (
-    BLOCK,
-    INT8_GROUP,
-    ROW_BUCKETS,
-    PackedLinear,
-    fastest,
-    quantize_int8,
-    to_groups,
-)
+from reader_spec.engine.timing import fastest
+from reader_spec.engine.weights import ROW_BUCKETS, PackedLinear
 
 UNIT_ROUNDOFF = 2.0**-24
 CHUNK_BLOCKS = 128
@@ -55,7 +49,7 @@ class GreedyHead:
         self.quantized = PageArena(blocks * groups * BLOCK * INT8_GROUP).empty(
             (blocks, groups, BLOCK * INT8_GROUP), torch.uint8
         )
-        """The int8 copy as the integer product reads it (:func:`~reader_spec.engine.weights.to_groups`)."""
+        """The int8 copy as the integer product reads it (:func:`~reader_spec.engine.layouts.to_groups`)."""
         self.scales = torch.empty(blocks * BLOCK)
         self.slack = torch.empty(blocks * BLOCK)
         self.norms = torch.empty(blocks * BLOCK)

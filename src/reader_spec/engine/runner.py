@@ -64,16 +64,27 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
+FORWARD_MODULES = (
+    "runner",
+    "decoder",
+    "layers",
+    "rotary",
+    "greedy_head",
+    "weights",
+    "layouts",
+    "kv_cache",
+    "attention",
+)
+"""The engine modules whose code every pass runs."""
+
+
 @functools.cache
 def forward_fingerprint() -> str:
     """A digest of the code every pass runs (this module, the fast decoder and its greedy head, the
     weight layouts, the cache, attention and the compiled kernels): cost curves timed with other code
     are timed again."""
     engine = Path(__file__).parent
-    sources = [
-        engine / f"{name}.py"
-        for name in ("runner", "decoder", "greedy_head", "weights", "kv_cache", "attention")
-    ]
+    sources = [engine / f"{name}.py" for name in FORWARD_MODULES]
     digest = hashlib.sha256()
     for source in [*sources, *kernels.SOURCES, *kernels.HEADERS]:
         digest.update(source.read_bytes())

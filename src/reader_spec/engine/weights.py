@@ -21,7 +21,8 @@ is several times slower than float32 at a few rows. ``int4`` stores matrices as 
 group of 32 inputs: in 4 bits with a scale and a minimum (Q4_1) where that is at least as close as 8
 bits with a scale (Q8_0), in those 8 bits elsewhere (:data:`INT8_GROUPED`); a model loaded from a
 4-bit file, whose output layer is Q8_0, gets all its own weights back exactly, multiplied by the
-compiled ``grouped_linear``.
+compiled ``grouped_linear``. The rounding and the order of the numbers in memory are
+:mod:`reader_spec.engine.layouts`'.
 
 Packing replaces the model's ``nn.Linear`` modules by :class:`PackedLinear` modules (the model's own
 forward still runs) and frees the originals, so no second copy of the weights is kept. Projections
@@ -33,18 +34,29 @@ from __future__ import annotations
 
 import functools
 import itertools
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from reader_spec.engine import kernels
+from reader_spec.engine.layouts import (
+    BLOCK,
+    INT8_GROUP,
+    WEIGHT_GROUP,
+    int4_fits,
+    quantize_int4,
+    quantize_int8,
+    quantize_int8_grouped,
+    round_up,
+    to_blocks,
+    to_grouped_int8,
+    to_groups,
+    to_nibbles,
+)
 from reader_spec.engine.memory import PageArena, release_file_pages
+from reader_spec.engine.timing import best_times
 
-BLOCK = kernels.BLOCK
-INT8_GROUP = 4
-"""k per 32-bit lane of the integer product (VNNI multiplies and adds four byte pairs at once)."""
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 """Row counts at which the kernels are timed; a pass uses the choice of the next bucket up (larger
 passes, the batched matmul). The largest covers a prompt's chunk (``runner.PREFILL_CHUNK``): PyTorch's
@@ -58,8 +70,6 @@ BATCHED_MARGIN = 1.1
 run back to back, while in a pass each follows other work, and there the compiled kernel did better
 than timed (whole passes, 12-24 rows: 1-5% faster on the compiled kernel where timing chose the
 batched matmul; docs/runner.md)."""
-WEIGHT_GROUP = kernels.WEIGHT_GROUP
-"""Inputs per scale (and minimum) of a matrix quantized per group (GGUF's blocks)."""
 WEIGHT_FORMATS = ("float32", "int8", "int4")
 """How :func:`pack_linears` stores a matrix: ``float32``, the model's own weights, unquantized (blocked
 where they are float32 on a CPU, other dtypes and devices as they are); ``int8``, symmetric per output
@@ -293,7 +303,7 @@ def pack_linears(
     quantize = weights != "float32"
     blocked = _blocks(*_values_of(modules[0]))
     sizes = [m.out_features if isinstance(m, PackedLinear) else m.weight.shape[0] for m in modules]
-    stored = [_round_up(n) if blocked else n for n in sizes]
+    stored = [round_up(n) if blocked else n for n in sizes]
     has_bias = any(m.bias is not None for m in modules)
     matrices, biases, scales = [], [], []
     part_arena = arena if len(modules) == 1 else None  # parts of a fused matrix go there once joined
@@ -372,67 +382,8 @@ def _plain_of(module: nn.Linear | PackedLinear) -> torch.Tensor:
     return module.weight.detach()
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output row: ``weight ≈ q * scales[:, None]``, ``scales = max |row| / 127``
-    in the weight's dtype (q is rounded against that scale, so it is the one that dequantizes)."""
-    values = weight.float()
-    scales = (values.abs().amax(dim=1) / 127).to(weight.dtype)
-    divisor = scales.float().clamp_min(torch.finfo(torch.float32).tiny)[:, None]  # all-zero rows: q = 0
-    quantized = (values / divisor).round_().clamp_(-127, 127).to(torch.int8)
-    return quantized, scales
-
-
 def _blocks(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32
-
-
-def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """4 bits per weight with a scale and a minimum per row and group of 32 inputs, as GGUF's Q4_1
-    quantizes: ``weight ≈ q * d + m``, ``m`` the group's least weight, ``d`` its range / 15, both
-    float16, ``q`` rounded against them. Returns ``q`` (``[out, in]``, uint8), ``d`` and ``m``
-    (``[out, in / 32]``, float16). A matrix read from a 4-bit file comes back exactly."""
-    out_features, in_features = weight.shape
-    groups = weight.float().view(out_features, in_features // WEIGHT_GROUP, WEIGHT_GROUP)
-    least, most = groups.amin(-1), groups.amax(-1)
-    minimum = least.half()
-    scale = ((most - least) / 15).half()
-    divisor = scale.float().clamp_min(torch.finfo(torch.float32).tiny)[..., None]  # flat groups: q = 0
-    q = ((groups - minimum.float()[..., None]) / divisor).round_().clamp_(0, 15).to(torch.uint8)
-    return q.view(out_features, in_features), scale, minimum
-
-
-def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """The float32 ``[out, in]`` matrix of :func:`quantize_int4`'s parts."""
-    groups = (
-        q.view(*scale.shape, WEIGHT_GROUP).float() * scale.float()[..., None] + minimum.float()[..., None]
-    )
-    return groups.view(q.shape)
-
-
-def quantize_int8_grouped(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """8 bits per weight with a scale per row and group of 32 inputs, as GGUF's Q8_0 quantizes:
-    ``weight ≈ q * d``, ``d`` the group's largest magnitude / 127 in float16, ``q`` rounded against it.
-    Returns ``q`` (``[out, in]``, int8) and ``d`` (``[out, in / 32]``, float16). A matrix read from an
-    8-bit file comes back exactly."""
-    out_features, in_features = weight.shape
-    groups = weight.float().view(out_features, in_features // WEIGHT_GROUP, WEIGHT_GROUP)
-    scale = (groups.abs().amax(-1) / 127).half()
-    divisor = scale.float().clamp_min(torch.finfo(torch.float32).tiny)[..., None]  # all-zero groups: q = 0
-    q = (groups / divisor).round_().clamp_(-127, 127).to(torch.int8)
-    return q.view(out_features, in_features), scale
-
-
-def int4_fits(weight: torch.Tensor) -> bool:
-    """Whether int4 stores this matrix at least as closely as :data:`INT8_GROUPED` does (the largest
-    error of either): true for weights read from a 4-bit file, false for matrices trained in float
-    and for an 8-bit file's (and where the inputs are not whole groups of 32)."""
-    if weight.shape[1] % WEIGHT_GROUP:
-        return False
-    values = weight.float()
-    int4_error = (dequantize_int4(*quantize_int4(values)) - values).abs().max()
-    q8, scale8 = quantize_int8_grouped(values)
-    int8_error = (q8.view(*scale8.shape, WEIGHT_GROUP) * scale8.float()[..., None]).view_as(values) - values
-    return bool(int4_error <= int8_error.abs().max())
 
 
 def _grouped_format(modules: Sequence[nn.Linear | PackedLinear]) -> str:
@@ -461,83 +412,11 @@ def _grouped_parts(
     return q, torch.stack([scale, minimum], dim=-1).to(weight.dtype)
 
 
-def to_nibbles(
-    q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, rows: int, arena: PageArena | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """An int4 matrix as the grouped product reads it (``kernels/grouped_product.cpp``): per block of 32
-    columns and group of 32 k, 16 pairs of k, each 32 bytes: column 8 h + c (h 0 or 1), k j at byte
-    16 h + 2 c + j, low nibble; column 16 + 8 h + c at the same byte's high nibble.
-    ``[rows / 32, in / 32, 512]`` (in ``arena`` if given); and ``[rows / 32, in / 32, 64]``, each
-    group's 32 scales then its 32 minimums (float16 bits as int16). Padding columns (up to ``rows``)
-    are zero."""
-    out_features, in_features = q.shape
-    groups = in_features // WEIGHT_GROUP
-    q = nn.functional.pad(q, (0, 0, 0, rows - out_features))
-    by_pair = q.view(rows // BLOCK, BLOCK, groups, WEIGHT_GROUP // 2, 2).permute(0, 2, 3, 1, 4)
-    octets = by_pair.reshape(rows // BLOCK, groups, WEIGHT_GROUP // 2, 2, 2, 16)  # [..., high, h, 8 c x 2 k]
-    packed = (octets[..., 0, :, :] | (octets[..., 1, :, :] << 4)).reshape(rows // BLOCK, groups, 512)
-    if arena is not None:
-        packed = arena.empty(packed.shape, packed.dtype).copy_(packed)
-    pairs = torch.stack([scale, minimum]).to(torch.float16).view(torch.int16)  # [2, out, groups]
-    pairs = nn.functional.pad(pairs, (0, 0, 0, rows - out_features))
-    scales = pairs.view(2, rows // BLOCK, BLOCK, groups).permute(1, 3, 0, 2)
-    return packed.contiguous(), scales.reshape(rows // BLOCK, groups, 64).contiguous()
-
-
-def to_grouped_int8(
-    q: torch.Tensor, scale: torch.Tensor, rows: int, arena: PageArena | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """An int8 matrix with a scale per group of 32 inputs as the grouped product reads it
-    (``kernels/grouped_product.cpp``): per block of 32 columns and group of 32 k, 16 pairs of k, each
-    64 bytes, column c's k j at byte 2 c + j (the int8 bits in uint8). ``[rows / 32, in / 32, 1024]``
-    (in ``arena`` if given); and ``[rows / 32, in / 32, 32]``, each group's 32 scales (float16 bits as
-    int16). Padding columns (up to ``rows``) are zero."""
-    out_features, in_features = q.shape
-    groups = in_features // WEIGHT_GROUP
-    q = nn.functional.pad(q, (0, 0, 0, rows - out_features))
-    by_pair = q.view(rows // BLOCK, BLOCK, groups, WEIGHT_GROUP // 2, 2).permute(0, 2, 3, 1, 4)
-    packed = by_pair.reshape(rows // BLOCK, groups, 32 * WEIGHT_GROUP).view(torch.uint8)
-    if arena is not None:
-        packed = arena.empty(packed.shape, packed.dtype).copy_(packed)
-    halves = nn.functional.pad(scale.to(torch.float16).view(torch.int16), (0, 0, 0, rows - out_features))
-    scales = halves.view(rows // BLOCK, BLOCK, groups).transpose(1, 2)
-    return packed.contiguous(), scales.contiguous()
-
-
-def _round_up(n: int) -> int:
-    return -(-n // BLOCK) * BLOCK
-
-
-def to_blocks(weight: torch.Tensor, rows: int, arena: PageArena | None = None) -> torch.Tensor:
-    """``[rows / 32, in, 32]``, the matrix padded with zero rows to ``rows`` (in ``arena`` if given)."""
-    out_features, in_features = weight.shape
-    if rows != out_features:
-        weight = torch.cat([weight, weight.new_zeros(rows - out_features, in_features)])
-    blocks = weight.view(rows // BLOCK, BLOCK, in_features).transpose(1, 2)
-    if arena is None:
-        return blocks.contiguous()
-    return arena.empty(blocks.shape, blocks.dtype).copy_(blocks)
-
-
-def to_groups(quantized: torch.Tensor, rows: int, arena: PageArena | None = None) -> torch.Tensor:
-    """An int8 ``[out, in]`` matrix as the integer product reads it: ``[rows / 32, ceil(in / 4), 128]``,
-    each group of 4 k of a block's 32 columns side by side, as ``q + 128`` (the unsigned operand of
-    VNNI's multiply-add), zero past ``in`` and ``out`` (in ``arena`` if given)."""
-    out_features, in_features = quantized.shape
-    groups = -(-in_features // INT8_GROUP)
-    padded = nn.functional.pad(quantized, (0, groups * INT8_GROUP - in_features, 0, rows - out_features))
-    grouped = padded.view(rows // BLOCK, BLOCK, groups, INT8_GROUP).transpose(1, 2)
-    unsigned = (grouped.to(torch.int16) + 128).to(torch.uint8).flatten(2)
-    if arena is None:
-        return unsigned.contiguous()
-    return arena.empty(unsigned.shape, unsigned.dtype).copy_(unsigned)
-
-
 def packed_bytes(module: nn.Linear | PackedLinear, weights: str) -> int:
     """The most bytes :func:`pack_linears` stores for this module's matrix in format ``weights``."""
     if weights in ("int8", "int4"):  # int4's matrices: 4 bits, or 8 (per group or output row)
-        return _round_up(module.out_features) * -(-module.in_features // INT8_GROUP) * INT8_GROUP
-    return _round_up(module.out_features) * module.in_features * 4
+        return round_up(module.out_features) * -(-module.in_features // INT8_GROUP) * INT8_GROUP
+    return round_up(module.out_features) * module.in_features * 4
 
 
 _CHOICES: dict[tuple[int, int], dict[int, bool]] = {}
@@ -592,21 +471,3 @@ def _time_kernels(weights: Sequence[torch.Tensor], rows: int) -> bool:
         batched = each(functools.partial(torch.matmul, x))
         compiled_time, batched_time = best_times([compiled, batched], rounds=3 if compute_bound else 5)
     return compiled_time <= BATCHED_MARGIN * batched_time
-
-
-def fastest(calls: Sequence[Callable[[], object]], rounds: int = 5) -> int:
-    """Index of the fastest call (the first among equals)."""
-    times = best_times(calls, rounds)
-    return times.index(min(times))
-
-
-def best_times(calls: Sequence[Callable[[], object]], rounds: int = 5) -> list[float]:
-    """Each call's fastest round, in seconds. Calls alternate, so that load from elsewhere hits them
-    alike."""
-    best = [float("inf")] * len(calls)
-    for _ in range(rounds):
-        for i, call in enumerate(calls):
-            start = time.perf_counter()
-            call()
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best
