@@ -14,11 +14,12 @@ from reader_spec.config import GenerationConfig
 from reader_spec.drafters import ReaderDrafter
 from reader_spec.drafters.fusion import FusedDrafter, merge_proposals, prune_branches, sub_feedback
 from reader_spec.drafters.model import ModelDrafter, load_draft_model
-from reader_spec.drafters.model.drafter import PassTimer
+from reader_spec.drafters.model.pricing import PassTimer
 from reader_spec.engine import kernels
+from reader_spec.engine.layouts import dequantize_int4, quantize_int4, quantize_int8_grouped
 from reader_spec.engine.loop import Engine
 from reader_spec.engine.tree import DraftTree, Proposal, chain_proposal
-from reader_spec.engine.weights import INT8_GROUPED, dequantize_int4, quantize_int4, quantize_int8_grouped
+from reader_spec.engine.weights import INT8_GROUPED
 from reader_spec.loading import LoadedModel, ModelLoadError
 from tests.conftest import make_tiny_llama, make_tiny_tokenizer
 from tests.engine.test_engine import FLAT_COSTS, NO_EOS, mixed_configs, next_turns, random_prompts
@@ -286,9 +287,9 @@ def test_a_veto_on_the_draft_model_is_lifted_now_and_then(same_draft, prompts):
 def test_a_level_expands_only_the_nodes_whose_pass_pays():
     """A level's pass costs more with more nodes: it expands the count that raises the step's rate
     most, none where even the best node does not pay, all where nothing is priced."""
-    from reader_spec.drafters.model.drafter import _Pricing
+    from reader_spec.drafters.model.pricing import LevelPricing
 
-    pricing = _Pricing([1.0, 1.05, 1.1, 1.15], batch=1, alongside=None)
+    pricing = LevelPricing([1.0, 1.05, 1.1, 1.15], batch=1, alongside=None)
 
     def pass_seconds(count: int) -> float:
         return 0.1 + 0.3 * (count - 1)
@@ -297,7 +298,7 @@ def test_a_level_expands_only_the_nodes_whose_pass_pays():
     assert pricing.best_count([0.9, 0.8, 0.7], lambda count: 0.1 + 0.01 * count) == 3
     assert pricing.best_count([0.9, 0.8], lambda count: 5.0) == 0  # a pass dearer than its gain
     assert pricing.best_count([0.9, 0.8], lambda count: None) == 2  # not timed yet: grow and learn
-    assert _Pricing(None, batch=1, alongside=None).best_count([0.5, 0.1], pass_seconds) == 2
+    assert LevelPricing(None, batch=1, alongside=None).best_count([0.5, 0.1], pass_seconds) == 2
 
 
 def test_a_shared_cache_is_left_as_the_target_committed_it(tiny, same_draft, prompts):

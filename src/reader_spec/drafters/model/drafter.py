@@ -23,7 +23,6 @@ step where retrieval alone already pays best.
 from __future__ import annotations
 
 import heapq
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from reader_spec.drafters.calibration import ProbabilityCalibrator, node_trials
+from reader_spec.drafters.model.pricing import LevelPricing, PassTimer
 from reader_spec.engine.runner import ModelRunner, synchronizer, text_config
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
 from reader_spec.loading import LoadedModel
@@ -69,47 +69,6 @@ RECENT_TREES = 16
 """Sequences' trees the typical tree is averaged over (``_worth_running``)."""
 INITIAL_ROWS = 4
 INITIAL_CAPACITY = 256
-
-
-@dataclass
-class PassTimer:
-    """Seconds a draft level costs by its number of tokens (its pass and the work around it: masks,
-    the softmax, the tree), learned from the levels run; None until one was timed.
-
-    Each count's estimate is the median of its last ``window`` levels: the first levels (cold caches,
-    kernel choice, up to 4x the usual) and bursts of load from other processes drop out, and what is
-    left is what a level costs in a running engine. That is 20-30% above the fastest level (another
-    model's weights pass through the caches between levels); priced at the fastest, as at first, the
-    tree grew levels that cost more than they returned (docs/model-drafter.md). Between counts it
-    interpolates; beyond the largest it extends the last two linearly (flat with one), since a pass of
-    a few more tokens costs about the same on a bandwidth-bound machine.
-    """
-
-    window: int = 9
-    recent: dict[int, deque[float]] = field(default_factory=dict)
-    seconds: dict[int, float] = field(default_factory=dict)
-    """Each count's current estimate."""
-
-    def record(self, tokens: int, seconds: float) -> None:
-        recent = self.recent.setdefault(tokens, deque(maxlen=self.window))
-        recent.append(seconds)
-        self.seconds[tokens] = statistics.median(recent)
-
-    def __call__(self, tokens: int) -> float | None:
-        if not self.seconds:
-            return None
-        known = sorted(self.seconds)
-        if tokens <= known[0]:
-            return self.seconds[known[0]]
-        above = next((k for k in known if k >= tokens), None)
-        if above is None:
-            if len(known) == 1:
-                return self.seconds[known[0]]
-            lo, hi = known[-2], known[-1]
-        else:
-            lo, hi = max(k for k in known if k < tokens), above
-        slope = (self.seconds[hi] - self.seconds[lo]) / (hi - lo)
-        return self.seconds[lo] + max(0.0, slope) * (tokens - lo)
 
 
 LIKELIEST, OTHER = 0, 1
@@ -338,7 +297,7 @@ class ModelDrafter:
             self._requests[request].pending = None
         if max_nodes <= 0 or not requests:
             return [EMPTY_PROPOSAL] * len(requests)
-        pricing = _Pricing(verify_seconds, len(requests), alongside)
+        pricing = LevelPricing(verify_seconds, len(requests), alongside)
         self._skipped += 1
         if first_level is None:
             first_level = self._skipped >= EXPLORE_EVERY or self._worth_running(requests, alongside, pricing)
@@ -417,7 +376,7 @@ class ModelDrafter:
         priced before any acceptance was seen vetoed all 340 later steps of three prompts). After
         ``EXPLORE_EVERY`` vetoes in a row one step is let through, then after twice as many, up to
         ``MAX_VETOES``; a step the price lets through resets the count."""
-        if self._worth_running(requests, alongside, _Pricing(verify_seconds, len(requests), alongside)):
+        if self._worth_running(requests, alongside, LevelPricing(verify_seconds, len(requests), alongside)):
             self._vetoes, self._veto_limit = 0, EXPLORE_EVERY
             return True
         self._vetoes += 1
@@ -427,7 +386,7 @@ class ModelDrafter:
         return True
 
     def _worth_running(
-        self, requests: Sequence[Hashable], alongside: Sequence[Proposal] | None, pricing: _Pricing
+        self, requests: Sequence[Hashable], alongside: Sequence[Proposal] | None, pricing: LevelPricing
     ) -> bool:
         """Whether the step's best rate is higher with the tree the draft model typically grows, cut
         at the depth that pays best, than with the other drafters' proposals alone.
@@ -475,7 +434,7 @@ class ModelDrafter:
         return mass / parents if parents else 0.0
 
     def _first_level(
-        self, states: list[_Request], requests: list[Hashable], pricing: _Pricing
+        self, states: list[_Request], requests: list[Hashable], pricing: LevelPricing
     ) -> list[_Tree]:
         """Catch every sequence's cache up with its text (one pass; a new request's prompt is
         prefilled first) and give the root its children."""
@@ -519,7 +478,7 @@ class ModelDrafter:
         return heapq.nlargest(self.expand, tree.frontier, key=lambda n: tree.probs[n])
 
     def _grow(
-        self, states: list[_Request], trees: list[_Tree], chosen: list[list[int]], pricing: _Pricing
+        self, states: list[_Request], trees: list[_Tree], chosen: list[list[int]], pricing: LevelPricing
     ) -> None:
         """One pass over the chosen nodes of every sequence; each gets its children."""
         started = time.perf_counter()
@@ -554,7 +513,7 @@ class ModelDrafter:
                 trees[b].frontier = []
         self._timed(started, sum(map(len, tokens)), pricing)
 
-    def _timed(self, started: float, tokens: int, pricing: _Pricing) -> None:
+    def _timed(self, started: float, tokens: int, pricing: LevelPricing) -> None:
         """A level of ``tokens`` that began at ``started`` is done: its cost is learned and spent."""
         self._synchronize()
         seconds = time.perf_counter() - started
@@ -590,59 +549,3 @@ ARCHITECTURE_FIELDS = (
 def _architecture(config) -> tuple:
     config = text_config(config)
     return tuple(repr(getattr(config, name, None)) for name in ARCHITECTURE_FIELDS)
-
-
-class _Pricing:
-    """Whether one more draft pass pays, from the step's verification costs and the passes timed.
-
-    A step emits, per sequence, the bonus token plus the accepted drafts; with ``k`` draft nodes
-    verified (the best ``k`` of the step, any sequence) it expects ``batch + (sum of their
-    probabilities)`` tokens in ``draft seconds + verify_seconds[k]``. A pass pays when the best rate
-    with the nodes it is expected to add beats the best rate without it.
-    """
-
-    def __init__(
-        self,
-        verify_seconds: Sequence[float] | None,
-        batch: int,
-        alongside: Sequence[Proposal] | None,
-    ) -> None:
-        self.verify_seconds = verify_seconds
-        self.batch = batch
-        self.probs = sorted((p for proposal in alongside or () for p in proposal.probs), reverse=True)
-        self.spent = 0.0
-
-    def add_nodes(self, probs: Sequence[float]) -> None:
-        self.probs = sorted([*self.probs, *probs], reverse=True)
-
-    def _best_rate(self, probs: Sequence[float], spent: float) -> float:
-        expected, best = float(self.batch), self.batch / (spent + self.verify_seconds[0])
-        for k, p in enumerate(probs[: len(self.verify_seconds) - 1], 1):
-            expected += p
-            best = max(best, expected / (spent + self.verify_seconds[k]))
-        return best
-
-    def better(self, nodes: Sequence[float], seconds: float) -> bool:
-        """Whether ``nodes`` after ``seconds`` more of drafting beat the nodes known now."""
-        if self.verify_seconds is None:
-            return True
-        with_them = self._best_rate(sorted(nodes, reverse=True), self.spent + seconds)
-        return with_them > self._best_rate(self.probs, self.spent)
-
-    def best_count(self, gains: Sequence[float], pass_seconds: Callable[[int], float | None]) -> int:
-        """How many of the candidate nodes, best first (``gains``: the probabilities their children are
-        expected to add), one more pass should expand: the count whose pass raises the step's best
-        rate most, 0 where none raises it (all while the verification or the pass is not priced)."""
-        if self.verify_seconds is None:
-            return len(gains) if any(g > 0 for g in gains) else 0
-        without = self._best_rate(self.probs, self.spent)
-        best, best_rate = 0, without
-        for count in range(1, len(gains) + 1):
-            seconds = pass_seconds(count)
-            if seconds is None:
-                return len(gains)
-            hoped = sorted([*self.probs, *gains[:count]], reverse=True)
-            rate = self._best_rate(hoped, self.spent + seconds)
-            if rate > best_rate:
-                best, best_rate = count, rate
-        return best
