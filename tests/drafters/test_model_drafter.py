@@ -12,13 +12,20 @@ import torch
 from reader_spec.budget.costs import CostModel
 from reader_spec.config import GenerationConfig
 from reader_spec.drafters import ReaderDrafter
-from reader_spec.drafters.fusion import FusedDrafter, merge_proposals, prune_branches, sub_feedback
+from reader_spec.drafters.fusion import (
+    FusedDrafter,
+    graft,
+    likeliest_path,
+    merge_proposals,
+    prune_branches,
+    sub_feedback,
+)
 from reader_spec.drafters.model import ModelDrafter, load_draft_model
 from reader_spec.drafters.model.pricing import PassTimer
 from reader_spec.engine import kernels
 from reader_spec.engine.layouts import dequantize_int4, quantize_int4, quantize_int8_grouped
 from reader_spec.engine.loop import Engine
-from reader_spec.engine.tree import DraftTree, Proposal, chain_proposal
+from reader_spec.engine.tree import EMPTY_PROPOSAL, DraftTree, Proposal, chain_proposal
 from reader_spec.engine.weights import INT8_GROUPED
 from reader_spec.loading import LoadedModel, ModelLoadError
 from tests.conftest import make_tiny_llama, make_tiny_tokenizer
@@ -352,6 +359,83 @@ def test_sub_feedback_maps_the_fused_path_back_to_each_part():
     fused = Proposal((5, 6, 9), (-1, 0, 1), (0.9, 0.7, 0.5), ("model", "context", "model"))
     verified, hits = sub_feedback(part, fused, [0, 1])
     assert verified == part.truncated(2) and hits == [0, 1]
+
+
+def test_the_likeliest_path_follows_each_nodes_best_child():
+    proposal = Proposal((5, 6, 7, 8, 9), (-1, -1, 0, 0, 2), (0.9, 0.5, 0.6, 0.4, 0.3), ("model",) * 5)
+    assert likeliest_path(proposal) == [0, 2, 4]
+    assert likeliest_path(EMPTY_PROPOSAL) == []
+
+
+def test_graft_hangs_branches_below_a_node_with_path_probabilities():
+    model = Proposal((5, 7), (-1, 0), (0.9, 0.8), ("model",) * 2)
+    branches = Proposal((1, 2, 3), (-1, 0, -1), (0.5, 0.4, 0.1), ("context",) * 3)
+    grown = graft(model, 1, branches)
+    assert grown.tokens == (5, 7, 1, 2, 3) and grown.parents == (-1, 0, 1, 2, 1)
+    assert grown.probs == pytest.approx((0.9, 0.8, 0.4, 0.32, 0.08))
+    assert grown.sources == ("model", "model", "context", "context", "context")
+
+
+class FixedModelDrafter:
+    """A draft model that proposes one fixed tree and records its feedback."""
+
+    def __init__(self, proposal: Proposal) -> None:
+        self.proposal = proposal
+        self.observed: list[tuple[Proposal, list[int]]] = []
+        self.root_distributions: dict = {}
+
+    def begin(self, request, prompt) -> None:
+        pass
+
+    def extend(self, request, tokens) -> None:
+        pass
+
+    def end(self, request) -> None:
+        pass
+
+    def propose_batch(self, requests, max_nodes, verify_seconds=None, **kwargs) -> list[Proposal]:
+        return [self.proposal] * len(requests)
+
+    def observe(self, request, proposal, accepted) -> None:
+        self.observed.append((proposal, list(accepted)))
+
+
+def node_paths(proposal: Proposal) -> list[tuple[int, ...]]:
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(proposal.tokens, proposal.parents, strict=True):
+        paths.append((*paths[parent], token) if parent >= 0 else (token,))
+    return paths
+
+
+@pytest.mark.parametrize("whole_path", [True, False])
+def test_reader_fusion_drafts_retrieval_after_the_models_likeliest_path(whole_path):
+    """The text's last token (10) occurred nowhere before, so retrieval finds nothing at the root; after
+    the draft model's likeliest path (3 4) it finds what followed 3 4 (5 6 9), grafted at the path's end.
+    Retrieval learns from those nodes only where verification accepted the whole path; RASD, as
+    published, merges at the root only."""
+    retrieval = ReaderDrafter(history_tokens=0)
+    model = FixedModelDrafter(Proposal((3, 4, 8), (-1, 0, -1), (0.9, 0.8, 0.05), ("model",) * 3))
+    drafter = FusedDrafter(retrieval, model, "reader")
+    drafter.begin("r", [1, 2, 3, 4, 5, 6, 9, 7, 10])
+    fused = drafter.propose("r", 16)
+    paths = node_paths(fused)
+    labels = dict(zip(paths, fused.sources, strict=True))
+    assert labels[(3,)] == labels[(3, 4)] == labels[(8,)] == "model"
+    assert labels[(3, 4, 5)] == labels[(3, 4, 5, 6)] == "context"
+    assert fused.probs[paths.index((3, 4, 5))] <= fused.probs[paths.index((3, 4))]
+    before = calibration_tables(retrieval)
+    accepted = [paths.index(path) for path in ((3,), (3, 4), (3, 4, 5))[: 3 if whole_path else 1]]
+    drafter.observe("r", fused, accepted)
+    assert (calibration_tables(retrieval) != before) == whole_path
+    assert model.observed[-1][1] == ([0, 1] if whole_path else [0])
+
+    rasd = FusedDrafter(ReaderDrafter(history_tokens=0), model, "rasd")
+    rasd.begin("r", [1, 2, 3, 4, 5, 6, 9, 7, 10])
+    assert set(node_paths(rasd.propose("r", 16))) == {(3,), (3, 4), (8,)}
+
+
+def calibration_tables(drafter: ReaderDrafter) -> dict[str, tuple[float, ...]]:
+    return {name: calibrator.table() for name, calibrator in drafter.calibrators.items()}
 
 
 def test_pass_timing_learns_from_passes():

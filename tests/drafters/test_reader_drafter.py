@@ -572,3 +572,37 @@ def test_half_matches_add_what_the_shorter_match_continues_with(retrieval_path) 
     drafter.observe("r", proposal, accepted)
     assert estimate(drafter, "context-half", 2, 2 / 4) > before
     assert "context-half" in drafter.source_names and drafter.settings["half_matches"] is True
+
+
+def calibration_tables(drafter: ReaderDrafter) -> dict[str, tuple[float, ...]]:
+    return {name: calibrator.table() for name, calibrator in drafter.calibrators.items()}
+
+
+def test_an_extension_drafts_what_follows_a_drafted_path(retrieval_path) -> None:
+    """After a path the text does not hold yet (3 4, drafted by a model after the text's last token),
+    the sources are matched with the path as a query: 1 2 3 4 went on with 5 6 earlier."""
+    text = [1, 2, 3, 4, 5, 6, 9, 1, 2]
+    drafter = started(text)
+    drafter.propose("r", 8)
+    extension = drafter.propose_extensions(["r"], [(3, 4)], 8)[0]
+    check_tree(extension)
+    assert path_of(extension, 1) == (5, 6) and extension.sources[0] == "context"
+    assert started(text).propose("r", 8).tokens[0] == 3  # the root's own match: 1 2 went on with 3
+
+
+def test_an_extension_is_learned_from_apart_and_only_while_current(retrieval_path) -> None:
+    drafter = started([1, 2, 3, 4, 5, 6, 9, 1, 2])
+    root = drafter.propose("r", 8)
+    extension = drafter.propose_extensions(["r"], [(3, 4)], 8)[0]
+    before = calibration_tables(drafter)
+    drafter.observe("r", root.truncated(1), [0])  # the root's feedback leaves the extension pending
+    after_root = calibration_tables(drafter)
+    assert after_root != before
+    drafter.observe_extension("r", extension.truncated(2), [0, 1])
+    assert calibration_tables(drafter) != after_root
+    learned = calibration_tables(drafter)
+    drafter.observe_extension("r", extension.truncated(2), [0, 1])  # consumed: nothing more to learn
+    drafter.propose_extensions(["r"], [(3, 4)], 8)
+    drafter.propose("r", 8)  # a new step: the last extension is stale
+    drafter.observe_extension("r", extension.truncated(2), [0, 1])
+    assert calibration_tables(drafter) == learned

@@ -5,10 +5,12 @@ probability is the higher of their calibrated estimates (each is calibrated on i
 is not taken as independent evidence), labelled with that tree's source. Nodes are then ranked by
 probability, parents first, and the engine's budget cuts the list.
 
-- ``reader`` (READER): the draft model's tree grown with every retrieval branch; the draft model
-  runs only in steps where it pays beside the retrieval tree (a long, sure match may fill the tree
-  alone). Whether it pays is learned from outcomes (:class:`StepChooser`): the tokens per second
-  of steps drafted both ways, by how much the retrieval tree alone expects to be accepted.
+- ``reader`` (READER): the draft model's tree grown with every retrieval branch: those from the root,
+  and those the sources hold after the draft model's likeliest path, grafted at its end (a draft
+  level costs a pass; a lookup after the path, nothing). The draft model runs only in steps where
+  it pays beside the retrieval tree (a long, sure match may fill the tree alone). Whether it pays is
+  learned from outcomes (:class:`StepChooser`): the tokens per second of steps drafted both ways, by
+  how much the retrieval tree alone expects to be accepted.
 - ``rasd`` (RASD): the draft model runs every step, its tree grown level by level as deep as the
   step's costs pay for (up to the drafter's ``max_depth``); a retrieval branch is kept only when the
   draft model finds its first token plausible (among its ``rasd_top_k`` likeliest, with probability
@@ -21,7 +23,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from reader_spec.drafters.model.drafter import ModelDrafter
+from reader_spec.drafters.model.drafter import MODEL_SOURCE, ModelDrafter
 from reader_spec.drafters.reader import ReaderDrafter
 from reader_spec.engine.runner import ModelRunner
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
@@ -60,6 +62,32 @@ def merge_proposals(proposals: Sequence[Proposal]) -> Proposal:
         tuple(index[path[:-1]] if len(path) > 1 else -1 for path in ranked),
         tuple(paths[path][0] for path in ranked),
         tuple(paths[path][1] for path in ranked),
+    )
+
+
+def likeliest_path(proposal: Proposal) -> list[int]:
+    """The nodes from the root's likeliest child down, each the likeliest child of the one before."""
+    best_child: dict[int, int] = {}
+    for node, parent in enumerate(proposal.parents):  # best first: a parent's first child is its best
+        best_child.setdefault(parent, node)
+    path: list[int] = []
+    node = best_child.get(-1)
+    while node is not None:
+        path.append(node)
+        node = best_child.get(node)
+    return path
+
+
+def graft(proposal: Proposal, leaf: int, branches: Proposal) -> Proposal:
+    """``proposal`` with ``branches`` hung below node ``leaf``, their path probabilities continuing
+    the leaf's (node order: ``proposal``'s, then ``branches``')."""
+    first = len(proposal)
+    leaf_prob = proposal.probs[leaf] if leaf >= 0 else 1.0
+    return Proposal(
+        proposal.tokens + branches.tokens,
+        proposal.parents + tuple(leaf if parent < 0 else first + parent for parent in branches.parents),
+        proposal.probs + tuple(leaf_prob * prob for prob in branches.probs),
+        (proposal.sources or (MODEL_SOURCE,) * first) + (branches.sources or ("",) * len(branches)),
     )
 
 
@@ -203,6 +231,7 @@ class FusedDrafter:
         *,
         rasd_top_k: int = RASD_TOP_K,
         rasd_min_prob: float = RASD_MIN_PROB,
+        extend_paths: bool = True,
     ) -> None:
         if mode not in FUSIONS:
             raise ValueError(f"fusion must be one of {', '.join(FUSIONS)}, got {mode!r}")
@@ -211,8 +240,13 @@ class FusedDrafter:
         self.mode = mode
         self.rasd_top_k = rasd_top_k
         self.rasd_min_prob = rasd_min_prob
+        self.extend_paths = extend_paths and mode == "reader"
+        """Whether retrieval also drafts after the draft model's likeliest path (READER's fusion; RASD
+        merges at the root only)."""
         self.chooser = StepChooser()
         self._parts: dict[Hashable, tuple[Proposal, Proposal, Proposal]] = {}
+        self._extensions: dict[Hashable, tuple[tuple[int, ...], Proposal]] = {}
+        """Each request's last extension: the draft model's path it follows, and retrieval's tree."""
 
     def check_target(self, target) -> None:
         self.model.check_target(target)
@@ -230,6 +264,7 @@ class FusedDrafter:
 
     def end(self, request: Hashable) -> None:
         self._parts.pop(request, None)
+        self._extensions.pop(request, None)
         self.retrieval.end(request)
         self.model.end(request)
 
@@ -244,15 +279,37 @@ class FusedDrafter:
         if self.mode == "reader":
             drafted = self._reader_model(requests, retrieved, max_nodes, verify_seconds, started)
             kept = retrieved
+            grown = self._extend(requests, drafted, max_nodes) if self.extend_paths else drafted
         else:  # every step, each level only where it pays for its pass
             drafted = self.model.propose_batch(requests, max_nodes, verify_seconds, first_level=True)
             kept = [self._prune(request, p) for request, p in zip(requests, retrieved, strict=True)]
+            grown = drafted
         fused = []
-        for request, *parts in zip(requests, kept, retrieved, drafted, strict=True):
-            merged = merge_proposals([parts[2], parts[0]]).truncated(max_nodes)
+        for request, *parts in zip(requests, kept, retrieved, drafted, grown, strict=True):
+            merged = merge_proposals([parts[3], parts[0]]).truncated(max_nodes)
             self._parts[request] = (merged, parts[1], parts[2])  # feedback goes to what each proposed
             fused.append(merged)
         return fused
+
+    def _extend(
+        self, requests: Sequence[Hashable], drafted: list[Proposal], max_nodes: int
+    ) -> list[Proposal]:
+        """The draft model's trees with retrieval's tree after each one's likeliest path grafted at
+        its end."""
+        for request in requests:
+            self._extensions.pop(request, None)
+        paths = [likeliest_path(proposal) for proposal in drafted]
+        chosen = [i for i, path in enumerate(paths) if path]
+        if not chosen:
+            return drafted
+        tokens = [tuple(drafted[i].tokens[node] for node in paths[i]) for i in chosen]
+        found = self.retrieval.propose_extensions([requests[i] for i in chosen], tokens, max_nodes)
+        grown = list(drafted)
+        for i, path_tokens, branches in zip(chosen, tokens, found, strict=True):
+            if branches:
+                self._extensions[requests[i]] = (path_tokens, branches)
+                grown[i] = graft(drafted[i], paths[i][-1], branches)
+        return grown
 
     def _reader_model(
         self,
@@ -291,9 +348,29 @@ class FusedDrafter:
     def observe(self, request: Hashable, proposal: Proposal, accepted: Sequence[int]) -> None:
         """Each part learns from the nodes of its own tree that were verified."""
         parts = self._parts.pop(request, None)
+        extension = self._extensions.pop(request, None)
         if parts is None or proposal != parts[0].truncated(len(proposal)):
             return
         self.chooser.record(len(accepted) + 1)
         for drafter, part in ((self.retrieval, parts[1]), (self.model, parts[2])):
             verified, hits = sub_feedback(part, proposal, accepted)
             drafter.observe(request, verified, hits)
+        if extension is not None:
+            self._observe_extension(request, *extension, proposal, accepted)
+
+    def _observe_extension(
+        self,
+        request: Hashable,
+        path: tuple[int, ...],
+        branches: Proposal,
+        proposal: Proposal,
+        accepted: Sequence[int],
+    ) -> None:
+        """Retrieval learns from its branches after the draft model's path where verification
+        accepted the whole path (elsewhere they were never tested)."""
+        chain = Proposal(path, tuple(range(-1, len(path) - 1)), (1.0,) * len(path))
+        verified, hits = sub_feedback(graft(chain, len(path) - 1, branches), proposal, accepted)
+        if len(path) - 1 in hits:
+            tested = branches.truncated(len(verified) - len(path))
+            tested_hits = [hit - len(path) for hit in hits if hit >= len(path)]
+            self.retrieval.observe_extension(request, tested, tested_hits)

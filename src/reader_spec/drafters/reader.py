@@ -71,6 +71,8 @@ class _Request:
     index: AnyNgramIndex
     prompt_length: int
     pending: _Pending | None = None
+    extension: _Pending | None = None
+    """The last :meth:`ReaderDrafter.propose_extensions` proposal, learned from apart."""
 
 
 class ReaderDrafter:
@@ -162,44 +164,70 @@ class ReaderDrafter:
         call (in parallel in the compiled core). Retrieval needs no pricing: ``verify_seconds`` is
         accepted for the batched-drafter interface and not used."""
         states = [self._requests[request] for request in requests]
-        for state in states:
-            state.pending = None
+        drafted = self._draft(states, max_nodes, [()] * len(states))
+        for state, (_, pending) in zip(states, drafted, strict=True):
+            state.pending, state.extension = pending, None
+        return [proposal for proposal, _ in drafted]
+
+    def propose_extensions(
+        self, requests: Sequence[Hashable], paths: Sequence[Sequence[int]], max_nodes: int
+    ) -> list[Proposal]:
+        """Each request's proposal as if its text went on with ``paths[i]`` (a draft model's likeliest
+        path): what the sources hold after it, for the path's end (READER grows a draft model's tree
+        with retrieval's branches). Learned from apart (:meth:`observe_extension`), with the same
+        calibration: a node is tried only where the whole path was accepted."""
+        states = [self._requests[request] for request in requests]
+        drafted = self._draft(states, max_nodes, paths)
+        for state, (_, pending) in zip(states, drafted, strict=True):
+            state.extension = pending
+        return [proposal for proposal, _ in drafted]
+
+    def _draft(
+        self, states: Sequence[_Request], max_nodes: int, after: Sequence[Sequence[int]]
+    ) -> list[tuple[Proposal, _Pending | None]]:
+        """Each request's tree from its text followed by ``after[i]``, the datastore searched for the
+        whole batch in one call."""
         if max_nodes <= 0:
-            return [EMPTY_PROPOSAL] * len(states)
+            return [(EMPTY_PROPOSAL, None)] * len(states)
         depth = min(self.max_depth, max_nodes)  # a node at depth d needs d nodes of budget
+        texts = [
+            [*state.index.tokens, *extra] if extra else state.index.tokens
+            for state, extra in zip(states, after, strict=True)
+        ]
         stored: list = [None] * len(states)
         if self.datastore is not None:
-            stored = _lookup_all(
-                self.datastore, [s.index.tokens for s in states], self.max_occurrences, depth
-            )
-        proposals = []
-        for state, found in zip(states, stored, strict=True):
+            stored = _lookup_all(self.datastore, texts, self.max_occurrences, depth)
+        drafted = []
+        for state, text, extra, found in zip(states, texts, after, stored, strict=True):
             matches = [
-                m for m in self._source_matches(state.index, depth, found) if m.match_length >= self.min_match
+                m
+                for m in self._source_matches(state.index, text, bool(extra), depth, found)
+                if m.match_length >= self.min_match
             ]
             proposal, estimates = draft_tree(matches, max_nodes, self.max_breadth)
-            if proposal:
-                state.pending = _Pending(proposal, estimates)
-            proposals.append(proposal)
-        return proposals
+            drafted.append((proposal, _Pending(proposal, estimates) if proposal else None))
+        return drafted
 
     def _source_matches(
         self,
         index: AnyNgramIndex,
+        text: Sequence[int],
+        extended: bool,
         depth: int,
         stored: tuple[int, Sequence[tuple[Sequence[int], float]]] | None,
     ) -> list[SourceMatch]:
-        """Each source's match: the request's text, the history, and the datastore's (looked up for
-        the batch beforehand: ``stored``)."""
+        """Each source's match for ``text``: the request's indexed text, or (``extended``) it followed
+        by drafted tokens the index does not hold, matched as a query; the history; and the
+        datastore's (looked up for the batch beforehand: ``stored``)."""
         matches = []
         if self.use_context:
-            match = index.longest_match()
+            match = index.longest_match(text[-self.max_ngram :] if extended else None)
             matches.append(self._context_match("context", index, match, depth))
             if self.half_matches and match.length >= 2:
-                half = index.suffix_match(match.length // 2)
+                length = match.length // 2
+                half = index.longest_match(text[-length:]) if extended else index.suffix_match(length)
                 matches.append(self._context_match("context-half", index, half, depth))
         if self.history is not None:
-            text = index.tokens
             length, continuations = self.history.lookup(text, self.max_occurrences, depth)
             matches.append(self._match("history", length, continuations, depth))
             if self.half_matches and length >= 2:
@@ -227,6 +255,16 @@ class ReaderDrafter:
         """
         state = self._requests[request]
         pending, state.pending = state.pending, None
+        self._learn(pending, proposal, accepted)
+
+    def observe_extension(self, request: Hashable, proposal: Proposal, accepted: Sequence[int]) -> None:
+        """:meth:`observe` for the last :meth:`propose_extensions` proposal, called only where its
+        path was accepted whole (its first nodes were then tested as a proposal's are)."""
+        state = self._requests[request]
+        pending, state.extension = state.extension, None
+        self._learn(pending, proposal, accepted)
+
+    def _learn(self, pending: _Pending | None, proposal: Proposal, accepted: Sequence[int]) -> None:
         n = len(proposal)
         if pending is None or n == 0 or proposal != pending.proposal.truncated(n):
             return
