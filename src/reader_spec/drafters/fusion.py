@@ -285,9 +285,11 @@ class FusedDrafter:
             kept = [self._prune(request, p) for request, p in zip(requests, retrieved, strict=True)]
             grown = drafted
         fused = []
-        for request, *parts in zip(requests, kept, retrieved, drafted, grown, strict=True):
-            merged = merge_proposals([parts[3], parts[0]]).truncated(max_nodes)
-            self._parts[request] = (merged, parts[1], parts[2])  # feedback goes to what each proposed
+        for request, kept_part, retrieved_part, drafted_part, grown_part in zip(
+            requests, kept, retrieved, drafted, grown, strict=True
+        ):
+            merged = merge_proposals([grown_part, kept_part]).truncated(max_nodes)
+            self._parts[request] = (merged, retrieved_part, drafted_part)  # feedback: what each proposed
             fused.append(merged)
         return fused
 
