@@ -376,14 +376,22 @@ class _CountingStack:
         return self.stack.forward(*args)
 
 
+@pytest.mark.parametrize("kernel", ["compiled", "reading ahead"])
 @pytest.mark.parametrize("weights", ["float32", "int8"])
 @pytest.mark.parametrize("family", sorted(CONFIGS))
-def test_whole_compiled_layers_compute_the_bits_of_the_layer_by_layer_path(family, weights, on_cpu):
+def test_whole_compiled_layers_compute_the_bits_of_the_layer_by_layer_path(
+    family, weights, kernel, on_cpu, monkeypatch
+):
     """Prefill, ragged batches of trees and commits, through whole compiled layers and through the
-    ops one by one: the same logits, bit for bit (so either may run any pass of a request)."""
+    ops one by one: the same logits, bit for bit (so either may run any pass of a request), with the
+    products requesting their weights ahead or not."""
     import numpy as np
 
+    from reader_spec.engine import weights as weights_module
     from reader_spec.engine.runner import pack_weights
+
+    forced = weights_module.Kernel.READING_AHEAD if kernel == "reading ahead" else weights_module.Kernel.COMPILED
+    monkeypatch.setattr(weights_module, "_fastest_kernel", lambda matrices, rows: forced)
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()

@@ -1,5 +1,7 @@
 """Packed weights multiply like ``nn.Linear``, whichever kernel runs, and keep no second copy."""
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -17,13 +19,21 @@ def linear(out_features: int, in_features: int, bias: bool, seed: int) -> nn.Lin
     return nn.Linear(in_features, out_features, bias=bias).requires_grad_(False)
 
 
-@pytest.fixture(params=["compiled", "batched matmul"])
+KERNELS = {
+    "compiled": weights.Kernel.COMPILED,
+    "reading ahead": weights.Kernel.READING_AHEAD,
+    "batched matmul": weights.Kernel.BATCHED,
+}
+
+
+@pytest.fixture(params=list(KERNELS))
 def kernel(request, monkeypatch):
-    """Force one kernel for every row count (the engine picks per shape and row count by timing)."""
-    if request.param == "compiled" and not kernels.available():
+    """Force one kernel for every row count (the engine picks per shape and row count by timing);
+    ``compiled`` stands for both compiled ones where only the arithmetic matters."""
+    if request.param != "batched matmul" and not kernels.available():
         pytest.fail("the compiled kernels must build on this machine (make builds them)")
-    monkeypatch.setattr(weights, "_compiled_wins", lambda weights, rows: request.param == "compiled")
-    return request.param
+    monkeypatch.setattr(weights, "_fastest_kernel", lambda weights, rows: KERNELS[request.param])
+    return "batched matmul" if request.param == "batched matmul" else "compiled"
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 4, 8, 17, 70])
@@ -201,7 +211,8 @@ def test_an_int8_module_saves_and_looks_up_the_dequantized_matrix():
 def test_rows_do_not_depend_on_the_rest_of_the_pass(weight_format):
     """The compiled ops sum each column over k in order (quantized: in integers, exact in any order,
     each row rounded on its own), whatever the tile: a row's outputs are the same alone, among 2 or 3
-    rows, in a full register tile, in several tiles, on 1 or 2 threads."""
+    rows, in a full register tile, in several tiles, on 1 or 2 threads, requesting the weights ahead
+    or not."""
     if not kernels.available():
         pytest.fail("the compiled kernels must build on this machine (make builds them)")
     module = linear(157, 64, bias=True, seed=6)  # 5 blocks, the last partial: an unpaired one
@@ -211,13 +222,13 @@ def test_rows_do_not_depend_on_the_rest_of_the_pass(weight_format):
     assert packed.weight_format == weight_format
     x = torch.randn(27, 64)
 
-    def run(rows):
+    def run(rows, ahead=False):
         ops = torch.ops.reader_spec
         if weight_format == "int8":
             return ops.int8_linear(rows, packed.weight, packed.scales, packed.bias, 64, 157)
         if weight_format in GRIDS:
             return ops.grouped_linear(rows, packed.weight, packed.scales, packed.bias, 64, 157)
-        return ops.blocked_linear(rows, packed.weight, packed.bias, 157)
+        return ops.blocked_linear(rows, packed.weight, packed.bias, 157, ahead)
 
     together = run(x)
     threads = torch.get_num_threads()
@@ -226,8 +237,8 @@ def test_rows_do_not_depend_on_the_rest_of_the_pass(weight_format):
             torch.set_num_threads(count)
             spans = [(0, 1), (4, 5), (26, 27), (0, 2), (3, 6), (10, 14), (20, 27)]
             spans += [(1, 9), (7, 17), (0, 12), (5, 18)]
-            for start, stop in [*spans, (2, 27)]:
-                assert torch.equal(run(x[start:stop]), together[start:stop])
+            for (start, stop), ahead in itertools.product([*spans, (2, 27)], (False, True)):
+                assert torch.equal(run(x[start:stop], ahead), together[start:stop])
     finally:
         torch.set_num_threads(threads)
     expected = nn.functional.linear(x, packed.plain_weight(), packed.bias)
@@ -512,8 +523,9 @@ def test_the_kernel_library_is_loaded_once_whatever_the_cache_directory_says(mon
 
 
 def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_near_ties(monkeypatch):
-    """Timing reads each matrix of the shape once per round, as a pass does; the batched matmul runs a
-    row bucket only where it timed clearly faster (a pass favours the compiled kernel, see
+    """Timing reads each matrix of the shape once per round, as a pass does; the compiled kernel runs
+    with or without requests ahead, whichever timed faster; the batched matmul runs a row bucket only
+    where it timed clearly faster than both (a pass favours the compiled kernel, see
     ``BATCHED_MARGIN``)."""
     if not kernels.available():
         pytest.fail("the compiled kernels must build on this machine (make builds them)")
@@ -524,23 +536,33 @@ def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_
         other.weight
     ]
     calls = []
+    # (compiled, reading ahead, batched) per bucket timed: near ties with the batched matmul first
+    times = iter([[1.05, 1.2, 1.0], [1.2, 1.05, 1.0], [1.2, 1.2, 1.0], [1.3, 1.2, 1.0], [1.2, 1.3, 1.0]])
 
     def timed(calls_to_time, rounds=5):
         calls.append((calls_to_time, rounds))
-        return [1.05, 1.0] if len(calls) <= 2 else [1.2, 1.0]  # the first two buckets timed: near ties
+        return next(times)
 
     monkeypatch.setattr(weights, "_CHOICES", {})
     monkeypatch.setattr(weights, "best_times", timed)
     seen = []
-    monkeypatch.setattr(torch.ops.reader_spec, "blocked_linear", lambda x, w, **kwargs: seen.append(w))
-    assert packed[0].compiled_at(1) and packed[1].compiled_at(8)
-    assert not packed[2].compiled_at(16) and not packed[0].compiled_at(64)
-    assert len(calls) == 4 and not packed[1].compiled_at(50)  # each bucket timed once, when first needed
+    monkeypatch.setattr(
+        torch.ops.reader_spec, "blocked_linear", lambda x, w, **kwargs: seen.append((w, kwargs["ahead"]))
+    )
+    Kernel = weights.Kernel
+    assert packed[0].kernel_at(1) == Kernel.COMPILED and packed[1].kernel_at(8) == Kernel.READING_AHEAD
+    assert packed[2].kernel_at(16) == Kernel.BATCHED and packed[0].kernel_at(64) == Kernel.BATCHED
+    assert len(calls) == 4 and packed[1].kernel_at(50) == Kernel.BATCHED  # each bucket timed once, when needed
     assert len(calls) == 4
-    calls[0][0][0]()  # one round of the compiled kernel reads every matrix of the shape
-    assert seen == [p.weight for p in packed]
+    compiled, reading_ahead, _ = calls[0][0]
+    compiled()  # one round of a compiled kernel reads every matrix of the shape
+    assert seen == [(p.weight, False) for p in packed]
     seen.clear()
-    assert not packed[2].compiled_at(300)  # bucket 512: compute-bound, one matrix in fewer rounds
+    reading_ahead()
+    assert seen == [(p.weight, True) for p in packed]
+    seen.clear()
+    assert packed[2].kernel_at(300) == Kernel.BATCHED  # bucket 512: compute-bound, one matrix, fewer rounds
     calls[-1][0][0]()
-    assert seen == [packed[0].weight] and calls[-1][1] < 5
-    assert not packed[0].compiled_at(weights.ROW_BUCKETS[-1] + 1) and len(calls) == 5  # beyond: batched
+    assert seen == [(packed[0].weight, False)] and calls[-1][1] < 5
+    beyond = weights.ROW_BUCKETS[-1] + 1
+    assert packed[0].kernel_at(beyond) == Kernel.BATCHED and len(calls) == 5  # beyond: batched

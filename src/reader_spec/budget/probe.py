@@ -110,9 +110,9 @@ class Floor:
     weight_bytes: int
     parameters: int
     bytes_per_second: float
-    """Measured: reading a buffer as large as the weights, by the faster of a sum and the fast runner's
-    one-row product (which prefetches: 5-10% faster on an AMD EPYC, where the sum's rate made the
-    floor of a one-token pass higher than what the runner took)."""
+    """Measured: reading a buffer as large as the weights, by the fastest of a sum and the fast runner's
+    one-row product with and without requests ahead (5-10% faster than the sum on an AMD EPYC, where
+    the sum's rate made the floor of a one-token pass higher than what the runner took)."""
     flops_per_second: float
     """Measured: a large float matrix product, by the faster of PyTorch's and the fast runner's kernels
     (PyTorch's runs at 40% of the compiled kernel's rate on some CPUs, which would flatter the curve);
@@ -164,10 +164,15 @@ def measure_floor(model: PreTrainedModel, rounds: int = 5) -> Floor:
     rows = ROW_BUCKETS[-1]
     if device.type == "cpu" and dtype == torch.float32 and kernels.available():
         compiled = torch.ops.reader_spec.blocked_linear
-        # The buffer read as a one-row pass reads a matrix (the kernel prefetches, a sum does not).
+        # The buffer read as a one-row pass reads a matrix, either way (the product streams in order
+        # and prefetches, a sum does not).
         blocks = buffer[: buffer.numel() // (size * BLOCK) * size * BLOCK].view(-1, size, BLOCK)
         row = torch.ones(1, size)
-        reads[2] = (lambda: compiled(row, blocks, None, blocks.shape[0] * BLOCK), blocks.numel() * 4)
+        for key, ahead in ((2, False), (-2, True)):
+            reads[key] = (
+                functools.partial(compiled, row, blocks, None, blocks.shape[0] * BLOCK, ahead),
+                blocks.numel() * 4,
+            )
         blocked, x = to_blocks(a, size), torch.ones(rows, size)
         products[3] = (lambda: compiled(x, blocked, None, size), 2 * rows * size**2)
     # Weights in integers: the rate of the model's own products, each kind of matrix alone (what a pass

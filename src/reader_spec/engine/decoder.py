@@ -194,7 +194,7 @@ class FastDecoder:
             plan.token_tree,
             plan.token_offset,
             plan.token_row,
-            [flag for layer in self.layers for flag in layer.compiled_at(tokens)],
+            [kernel for layer in self.layers for kernel in layer.kernels_at(tokens)],
         )
         return hidden, residual
 
@@ -264,9 +264,9 @@ class FastDecoder:
         method of a benchmark for those after it."""
         largest = next((b for b in ROW_BUCKETS if b >= max_rows), ROW_BUCKETS[-1])
         for rows in (b for b in ROW_BUCKETS if b <= largest):
-            self.lm_head.compiled_at(rows)
+            self.lm_head.kernel_at(rows)
             for layer in self.layers:
-                layer.compiled_at(rows)
+                layer.kernels_at(rows)
             if self.greedy_head is not None:
                 self.greedy_head.wins(rows)
             if self.fused:

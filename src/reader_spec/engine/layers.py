@@ -48,18 +48,19 @@ class PackedLayer:
     """The whole layer as one compiled call (``DecoderLayer`` of :mod:`.kernels`), where it has the
     Llama shape and runs on a CPU in float32."""
 
-    compiled_by_rows: dict[int, list[bool]] = dataclasses.field(default_factory=dict)
-    """For each of :attr:`linears`, whether the compiled kernel multiplies that many rows."""
+    kernels_by_rows: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    """For each of :attr:`linears`, which kernel multiplies that many rows (a :class:`Kernel`'s number,
+    as the compiled layer takes it)."""
 
     @property
     def linears(self) -> tuple[PackedLinear, ...]:
         return self.qkv, self.output, self.gate_up, self.down
 
-    def compiled_at(self, rows: int) -> list[bool]:
-        flags = self.compiled_by_rows.get(rows)
-        if flags is None:
-            flags = self.compiled_by_rows[rows] = [linear.compiled_at(rows) for linear in self.linears]
-        return flags
+    def kernels_at(self, rows: int) -> list[int]:
+        chosen = self.kernels_by_rows.get(rows)
+        if chosen is None:
+            chosen = self.kernels_by_rows[rows] = [int(linear.kernel_at(rows)) for linear in self.linears]
+        return chosen
 
     def __deepcopy__(self, memo: dict) -> PackedLayer:
         """A copy over the copied modules, its compiled layer built again (those cannot be copied)."""

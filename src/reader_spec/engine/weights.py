@@ -5,8 +5,9 @@ default ``F.linear`` takes slow paths on some CPUs (several times the bandwidth 
 rows). On a CPU, float32 matrices are stored in column blocks (``[out / 32, in, 32]``): each block is
 read from memory once and multiplied by every row of the pass. Two kernels read that layout, the
 compiled one of :mod:`reader_spec.engine.kernels` and PyTorch's batched matmul; which one runs for
-a given matrix shape and row count is decided by timing both once per process. Other devices and
-dtypes keep the plain layout and ``F.linear``.
+a given matrix shape and row count, and whether the compiled one requests its weights ahead of its
+multiply-adds (:class:`Kernel`), is decided by timing them once per process. Other devices and dtypes
+keep the plain layout and ``F.linear``.
 
 The storage format is a choice of the packing step (:data:`WEIGHT_FORMATS`): the model's own float
 weights, or int8 with a float scale per output row (symmetric, per output channel), for a draft
@@ -32,6 +33,7 @@ becomes a view of its rows.
 
 from __future__ import annotations
 
+import enum
 import functools
 import itertools
 from collections.abc import Callable, Sequence
@@ -57,9 +59,11 @@ from reader_spec.engine.layouts import (
 from reader_spec.engine.memory import PageArena, release_file_pages
 from reader_spec.engine.timing import best_times
 
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 32, 64, 128, 256, 512)
 """Row counts at which the kernels are timed; a pass uses the choice of the next bucket up (larger
-passes, the batched matmul). The largest covers a prompt's chunk (``runner.PREFILL_CHUNK``): PyTorch's
+passes, the batched matmul). 12 is the most rows one AVX-512 tile holds: up to it a product reads
+its matrix once from memory in one stream, beyond it in several tiles, and whether requesting the
+weights ahead pays differs between the two (docs/runner.md). The largest covers a prompt's chunk (``runner.PREFILL_CHUNK``): PyTorch's
 batched matmul is near this CPU's matrix rate on some processors and far below it on others (2.5x
 slower than the compiled kernel at 32-512 rows on an AMD EPYC, docs/runner.md)."""
 COMPUTE_BOUND_ROWS = 128
@@ -84,6 +88,21 @@ in -127..127 and a float16 ``d`` per output row and group of 32 inputs (GGUF's Q
 of a 4-bit file; :func:`quantize_int8_grouped`)."""
 GROUPED_BITS = {"int4": 4, INT8_GROUPED: 8}
 """Bits per weight of the storage formats quantized per group (``grouped_linear`` multiplies both)."""
+
+
+class Kernel(enum.IntEnum):
+    """Which kernel multiplies a blocked matrix at a row count (:meth:`PackedLinear.kernel_at`); the
+    compiled decoder layers take the same numbers."""
+
+    BATCHED = 0
+    """PyTorch's batched matmul over the blocks (float32)."""
+    COMPILED = 1
+    """The compiled kernel, leaving it to the hardware's prefetcher to read the weights ahead."""
+    READING_AHEAD = 2
+    """The compiled kernel, requesting each block's weights into L2 a few KB ahead of its multiply-adds
+    (float32): where the hardware's prefetcher alone leaves the memory idle part of the time (an Intel
+    Xeon: passes of 2-8 tokens 5-15% faster; docs/runner.md), while on other processors it only adds
+    work."""
 
 
 class PackedLinear(nn.Module):
@@ -121,8 +140,8 @@ class PackedLinear(nn.Module):
         self.in_features = in_features
         self.blocked = blocked
         self.parts = tuple(parts) or ((0, out_features),)
-        self._compiled_by_rows: dict[int, bool] = {}
-        """Whether the compiled kernel runs a product of that many rows (:func:`_compiled_wins`)."""
+        self._kernel_by_rows: dict[int, Kernel] = {}
+        """Which kernel runs a product of that many rows (:func:`_fastest_kernel`)."""
         self.same_shape: list[torch.Tensor] = [self.weight]
         """The matrices the kernels are timed on for this shape (:func:`time_together`)."""
 
@@ -131,7 +150,8 @@ class PackedLinear(nn.Module):
             weight = self.weight if self.scales is None else self.plain_weight()
             return nn.functional.linear(x, weight, self.bias)
         rows = x.numel() // self.in_features
-        compiled = self.compiled_at(rows)
+        kernel = self.kernel_at(rows)
+        compiled = kernel != Kernel.BATCHED
         if self.weight_format in GROUPED_BITS:
             if compiled:
                 return torch.ops.reader_spec.grouped_linear(
@@ -141,16 +161,19 @@ class PackedLinear(nn.Module):
         if self.scales is not None:
             return self._forward_int8(x, rows, compiled)
         if compiled:
-            return torch.ops.reader_spec.blocked_linear(x, self.weight, self.bias, self.out_features)
+            return torch.ops.reader_spec.blocked_linear(
+                x, self.weight, self.bias, self.out_features, kernel == Kernel.READING_AHEAD
+            )
         flat = x.reshape(rows, self.in_features)
         return self._unblock(torch.matmul(flat, self.weight), x)
 
-    def compiled_at(self, rows: int) -> bool:
-        """Whether the compiled kernel multiplies ``rows`` rows (blocked matrices; timed once per shape)."""
-        compiled = self._compiled_by_rows.get(rows)
-        if compiled is None:  # once per row count: a pass runs 100-200 products, each a few us of Python
-            compiled = self._compiled_by_rows[rows] = self.blocked and _compiled_wins(self.same_shape, rows)
-        return compiled
+    def kernel_at(self, rows: int) -> Kernel:
+        """Which kernel multiplies ``rows`` rows (blocked matrices; timed once per shape)."""
+        kernel = self._kernel_by_rows.get(rows)
+        if kernel is None:  # once per row count: a pass runs 100-200 products, each a few us of Python
+            kernel = _fastest_kernel(self.same_shape, rows) if self.blocked else Kernel.BATCHED
+            self._kernel_by_rows[rows] = kernel
+        return kernel
 
     def _forward_int8(self, x: torch.Tensor, rows: int, compiled: bool) -> torch.Tensor:
         if compiled:
@@ -433,29 +456,29 @@ def time_together(linears: Sequence[PackedLinear]) -> None:
         linear.same_shape = groups[(tuple(linear.weight.shape), linear.weight.dtype)]
 
 
-def _compiled_wins(weights: Sequence[torch.Tensor], rows: int) -> bool:
-    """Whether the compiled kernel beats the batched matmul for this shape and row count (timed once
-    per process and row bucket, when a pass first needs it, on ``weights``, every matrix of that shape).
+def _fastest_kernel(weights: Sequence[torch.Tensor], rows: int) -> Kernel:
+    """The kernel for this shape and row count (timed once per process and row bucket, when a pass
+    first needs it, on ``weights``, every matrix of that shape).
 
-    int8 weights: up to the last row bucket, whenever it is built (measured: the batched matmul first
-    converts the whole matrix to float, 2 to 25 times slower at 1 to 64 rows); beyond, where that
-    conversion is paid once for many rows, the batched matmul, as for float32.
+    int8 weights: the compiled kernel up to the last row bucket, whenever it is built (measured: the
+    batched matmul first converts the whole matrix to float, 2 to 25 times slower at 1 to 64 rows);
+    beyond, where that conversion is paid once for many rows, the batched matmul, as for float32.
     """
     if weights[0].dtype == torch.uint8:
-        return rows <= ROW_BUCKETS[-1] and kernels.available()
+        return Kernel.COMPILED if rows <= ROW_BUCKETS[-1] and kernels.available() else Kernel.BATCHED
     bucket = next((b for b in ROW_BUCKETS if b >= rows), None)
     if bucket is None or not kernels.available():
-        return False
+        return Kernel.BATCHED
     choices = _CHOICES.setdefault((weights[0].shape[0], weights[0].shape[1]), {})
     if bucket not in choices:
         choices[bucket] = _time_kernels(weights, bucket)
     return choices[bucket]
 
 
-def _time_kernels(weights: Sequence[torch.Tensor], rows: int) -> bool:
-    """Whether the compiled kernel is the faster at ``rows`` rows, over all ``weights`` in turn (one
-    of them where products are compute-bound). Inputs come from a private generator: the first pass
-    of a process must not move the caller's random state (seeded sampling)."""
+def _time_kernels(weights: Sequence[torch.Tensor], rows: int) -> Kernel:
+    """The fastest kernel at ``rows`` rows, over all ``weights`` in turn (one of them where products
+    are compute-bound). Inputs come from a private generator: the first pass of a process must not
+    move the caller's random state (seeded sampling)."""
     blocked_linear = torch.ops.reader_spec.blocked_linear
     out_features = weights[0].shape[0] * BLOCK
     compute_bound = rows >= COMPUTE_BOUND_ROWS
@@ -467,7 +490,14 @@ def _time_kernels(weights: Sequence[torch.Tensor], rows: int) -> bool:
 
     with torch.inference_mode():
         x = torch.randn(rows, weights[0].shape[1], generator=generator)
-        compiled = each(functools.partial(blocked_linear, x, bias=None, out_features=out_features))
+        compiled, reading_ahead = (
+            each(functools.partial(blocked_linear, x, bias=None, out_features=out_features, ahead=ahead))
+            for ahead in (False, True)
+        )
         batched = each(functools.partial(torch.matmul, x))
-        compiled_time, batched_time = best_times([compiled, batched], rounds=3 if compute_bound else 5)
-    return compiled_time <= BATCHED_MARGIN * batched_time
+        compiled_time, ahead_time, batched_time = best_times(
+            [compiled, reading_ahead, batched], rounds=3 if compute_bound else 5
+        )
+    if min(compiled_time, ahead_time) > BATCHED_MARGIN * batched_time:
+        return Kernel.BATCHED
+    return Kernel.READING_AHEAD if ahead_time < compiled_time else Kernel.COMPILED

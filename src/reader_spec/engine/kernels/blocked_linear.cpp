@@ -29,26 +29,15 @@ using reader_spec::load;
 using reader_spec::Vec16;
 
 constexpr int64_t kBlock = 32;
-// How far ahead in a block a tile of R rows requests its weights: about the memory's latency ahead, so
-// further for more rows, which spend longer on each k (2 rows: 24 k of float32, 12 rows: 96 k). One row
-// of float32 requests nothing: it reads its block in order faster than anything else and the
-// hardware's stream prefetcher keeps up (requesting as well made 1-row products 4-11% slower on an
-// AMD EPYC, Zen 3).
-template <int R>
-constexpr int64_t kPrefetchBytes = std::max<int64_t>(3072, 1024 * R);
+// How far ahead in a block a tile requests its weights, where it requests at all (the caller's `ahead`,
+// timed per matrix shape and row count: weights.py). The requests fill L2 only (prefetcht2): into L1
+// they would hold the few fill buffers that the hardware's own prefetcher streams through. On an
+// Intel Xeon with AVX-512 (a stream of the default model's 120 layer products) 4-16 KB ahead made
+// products of 4-12 rows, one tile, 19-23% faster and of 2 rows 7-9%, 32 KB nothing; products of
+// several tiles, which bring the next block in as they go (NextBlock), gained nothing
+// (docs/runner.md, "Requests into L2, timed per row count").
+constexpr int64_t kAheadBytes = 8192;
 
-// Whether a product of `rows` rows has its tiles request their blocks' weights ahead at all. With
-// AVX-512 (an AMD EPYC, Zen 4) a product of 2 to 8 rows, one tile, reads faster leaving it to the
-// hardware: whole passes of 2-8 tokens 2-8% faster, while 12 rows were 4% slower and 13-14 (two tiles)
-// 3% (docs/runner.md, "Tiles of a few rows without requests"). AVX2 hosts request from 2 rows, as
-// measured on a Zen 3.
-bool requests_ahead(int64_t rows) {
-#ifdef __AVX512F__
-  return rows > 8;
-#else
-  return rows > 1;
-#endif
-}
 #ifdef __AVX512F__
 constexpr int kMaxRows = 12;  // 24 accumulators + 2 weight vectors of the 32 zmm registers
 #else
@@ -78,18 +67,16 @@ struct NextBlock {
 // is: it only decides how many independent sums are in flight.
 template <int R>
 void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y, int64_t ldy,
-          int64_t columns, const NextBlock& next = {}, bool ahead = true) {
+          int64_t columns, const NextBlock& next, bool ahead) {
   Vec16 sums[R][2];
   for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = Vec16{};
   for (int64_t k = 0; k < k_size; ++k) {
     if (next.bytes != nullptr) __builtin_prefetch(next.bytes + ((k * next.step) >> 16));
     const float* w_k = w + k * kBlock;
-    if constexpr (R > 1) {  // see kPrefetchBytes
-      if (ahead) {
-        const char* bytes = reinterpret_cast<const char*>(w_k);
-        __builtin_prefetch(bytes + kPrefetchBytes<R>);
-        __builtin_prefetch(bytes + kPrefetchBytes<R> + 64);
-      }
+    if (ahead) {  // see kAheadBytes
+      const char* bytes = reinterpret_cast<const char*>(w_k);
+      __builtin_prefetch(bytes + kAheadBytes, 0, 1);
+      __builtin_prefetch(bytes + kAheadBytes + 64, 0, 1);
     }
     const Vec16 low = load(w_k), high = load(w_k + 16);  // columns 0..15 and 16..31
     for (int r = 0; r < R; ++r) {
@@ -115,7 +102,7 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const flo
 // is the same sequence of operations as in `tile`.
 template <int R>
 void half_block_tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y,
-                     int64_t ldy, int64_t columns, const NextBlock& next) {
+                     int64_t ldy, int64_t columns, const NextBlock& next, bool ahead) {
   using reader_spec::FloatPart;
   constexpr int kHalf = kBlock / 2, kPart = kHalf / 2;
   constexpr int64_t kChunk = 64;  // k per turn of the two halves: 8 KB of the block, read again from L1
@@ -133,8 +120,10 @@ void half_block_tile(const float* x, int64_t ldx, const float* w, int64_t k_size
         const float* w_k = w + half * kHalf + k * kBlock;
         if (half == 0) {  // the first half reads the chunk from memory, the second from L1
           if (next.bytes != nullptr) __builtin_prefetch(next.bytes + ((k * next.step) >> 16));
-          __builtin_prefetch(reinterpret_cast<const char*>(w_k) + kPrefetchBytes<R>);
-          __builtin_prefetch(reinterpret_cast<const char*>(w_k) + kPrefetchBytes<R> + 64);
+          if (ahead) {
+            __builtin_prefetch(reinterpret_cast<const char*>(w_k) + kAheadBytes, 0, 1);
+            __builtin_prefetch(reinterpret_cast<const char*>(w_k) + kAheadBytes + 64, 0, 1);
+          }
         }
         FloatPart low, high;
         std::memcpy(&low, w_k, sizeof(low));
@@ -166,12 +155,12 @@ void half_block_tile(const float* x, int64_t ldx, const float* w, int64_t k_size
 // `rows` (at most kMaxRows) rows times one block, through the tile that holds exactly that many rows.
 template <int R = kMaxRows>
 void rows_tile(int rows, const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y,
-               int64_t ldy, int64_t columns, const NextBlock& next = {}, bool ahead = true) {
+               int64_t ldy, int64_t columns, const NextBlock& next, bool ahead) {
   if constexpr (R > 1) {
     if (rows < R) return rows_tile<R - 1>(rows, x, ldx, w, k_size, bias, y, ldy, columns, next, ahead);
   }
 #if !defined(__AVX512F__) && defined(__AVX__)
-  if constexpr (R >= kHalfBlockRows) return half_block_tile<R>(x, ldx, w, k_size, bias, y, ldy, columns, next);
+  if constexpr (R >= kHalfBlockRows) return half_block_tile<R>(x, ldx, w, k_size, bias, y, ldy, columns, next, ahead);
 #endif
   tile<R>(x, ldx, w, k_size, bias, y, ldy, columns, next, ahead);
 }
@@ -217,7 +206,7 @@ int64_t rows_bytes_in_l2() {
 // holds beside a block, each share times every block: otherwise every block reads all of x, from L3
 // once x outgrows L2 (512 rows of 576 features: 1.2 MB per block of 72 KB).
 void product(const float* x_data, int64_t rows, const float* w_data, int64_t k_size, const float* bias_data,
-             float* y_data, int64_t out_features) {
+             float* y_data, int64_t out_features, bool ahead) {
   const int64_t blocks = (out_features + kBlock - 1) / kBlock;
   const int64_t block_stride = k_size * kBlock;
   const std::vector<int> sizes = tile_sizes(rows);
@@ -227,7 +216,6 @@ void product(const float* x_data, int64_t rows, const float* w_data, int64_t k_s
   const int64_t row_bytes = k_size * static_cast<int64_t>(sizeof(float));
   const int64_t tiles_per_share = std::max<int64_t>(1, rows_bytes_in_l2() / (row_bytes * kMaxRows));
   const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(float));
-  const bool ahead = requests_ahead(rows);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t first_tile = 0; first_tile < tiles; first_tile += tiles_per_share) {
       const int64_t last_tile = std::min(tiles, first_tile + tiles_per_share);
@@ -253,7 +241,7 @@ void product(const float* x_data, int64_t rows, const float* w_data, int64_t k_s
 }
 
 at::Tensor blocked_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                          int64_t out_features) {
+                          int64_t out_features, bool ahead) {
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 3 &&
                   weight.size(2) == kBlock && weight.is_contiguous(),
               "blocked_linear: the weight must be contiguous float32 [blocks, K, 32] on the CPU");
@@ -261,7 +249,7 @@ at::Tensor blocked_linear(const at::Tensor& input, const at::Tensor& weight, con
   const int64_t k_size = weight.size(1);
   return reader_spec::rows_product("blocked_linear", input, bias, k_size, out_features,
                                    [&](const float* x, int64_t rows, const float* b, float* y) {
-                                     product(x, rows, weight.data_ptr<float>(), k_size, b, y, out_features);
+                                     product(x, rows, weight.data_ptr<float>(), k_size, b, y, out_features, ahead);
                                    });
 }
 
@@ -270,14 +258,14 @@ at::Tensor blocked_linear(const at::Tensor& input, const at::Tensor& weight, con
 namespace reader_spec {
 
 void blocked_product(const float* x, int64_t rows, const float* weight, int64_t k_size, const float* bias, float* y,
-                     int64_t out_features) {
-  product(x, rows, weight, k_size, bias, y, out_features);
+                     int64_t out_features, bool ahead) {
+  product(x, rows, weight, k_size, bias, y, out_features, ahead);
 }
 
 }  // namespace reader_spec
 
 TORCH_LIBRARY(reader_spec, m) {
-  m.def("blocked_linear(Tensor input, Tensor weight, Tensor? bias, int out_features) -> Tensor");
+  m.def("blocked_linear(Tensor input, Tensor weight, Tensor? bias, int out_features, bool ahead=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(reader_spec, CPU, m) { m.impl("blocked_linear", &blocked_linear); }

@@ -69,9 +69,11 @@ struct Linear : torch::CustomClassHolder {
     }
   }
 
-  // y = x W^T + b for `rows` rows: the compiled kernel, or where it loses at this many rows (float32
-  // only), PyTorch's batched matmul over the blocks, as PackedLinear runs it.
-  void operator()(const float* x, int64_t rows, float* y, bool compiled) const {
+  // y = x W^T + b for `rows` rows through `kernel`, as PackedLinear.kernel_at chose it for this many
+  // rows: 0, PyTorch's batched matmul over the blocks (float32 only, where the compiled kernel loses);
+  // 1, the compiled kernel; 2, the compiled kernel requesting its weights ahead (float32).
+  void operator()(const float* x, int64_t rows, float* y, int64_t kernel) const {
+    const bool compiled = kernel != 0;
     const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
     if (scales.defined()) {
       TORCH_CHECK(compiled, "Linear: int8 and grouped weights run through the compiled kernels only");
@@ -84,7 +86,7 @@ struct Linear : torch::CustomClassHolder {
                                      y, out_features, out_features, false);
       }
     } else if (compiled) {
-      reader_spec::blocked_product(x, rows, weight.data_ptr<float>(), in_features, b, y, out_features);
+      reader_spec::blocked_product(x, rows, weight.data_ptr<float>(), in_features, b, y, out_features, kernel == 2);
     } else {
       const at::Tensor input = at::from_blob(const_cast<float*>(x), {rows, in_features}, weight.options());
       at::Tensor out = at::matmul(input, weight).transpose(0, 1).reshape({rows, -1}).narrow(1, 0, out_features);
@@ -146,12 +148,12 @@ struct DecoderLayer : torch::CustomClassHolder {
   // hidden: [tokens, hidden], the residual stream, to which `residual` (the previous layer's output,
   // if any) is added in place. cos, sin: [tokens, head_dim]. Token t is written at (token_row[t],
   // position[t]) of the cache and attends as `visible` says (see attend). Returns this layer's MLP
-  // output, which the next layer adds. `compiled`: for qkv, output, gate_up and down, whether the
-  // compiled kernel multiplies this many rows (PackedLinear.compiled_at).
+  // output, which the next layer adds. `kernels`: for qkv, output, gate_up and down, which kernel
+  // multiplies this many rows (Linear's operator()).
   at::Tensor run(const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& cos,
                  const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
                  const at::Tensor& position, const at::Tensor& visible, const at::Tensor& token_tree,
-                 const at::Tensor& token_offset, const at::Tensor& token_row, const bool compiled[4]) {
+                 const at::Tensor& token_offset, const at::Tensor& token_row, const int64_t kernels[4]) {
     const int64_t tokens = hidden.size(0), features = hidden.size(1);
     TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.dim() == 2 &&
                     features == input_norm.numel(),
@@ -193,7 +195,7 @@ struct DecoderLayer : torch::CustomClassHolder {
                                    input_norm.data_ptr<float>(), epsilon, tokens, features, normed.data_ptr<float>());
     at::Tensor projected = at::empty({tokens, qkv->out_features}, options);
     float* p = projected.data_ptr<float>();
-    (*qkv)(normed.data_ptr<float>(), tokens, p, compiled[0]);
+    (*qkv)(normed.data_ptr<float>(), tokens, p, kernels[0]);
     at::Tensor queries = at::empty({tokens, heads, head_dim}, options);
     reader_spec::for_rows(tokens, [&](int64_t t) {
       float* query_key = p + t * qkv->out_features;
@@ -213,15 +215,15 @@ struct DecoderLayer : torch::CustomClassHolder {
     reader_spec::attend(queries.data_ptr<float>(), tokens, heads, cache, visibility, static_cast<float>(scaling), 0.0f,
                         attended.data_ptr<float>());
     at::Tensor out = at::empty({tokens, features}, options);
-    (*output)(attended.data_ptr<float>(), tokens, out.data_ptr<float>(), compiled[1]);
+    (*output)(attended.data_ptr<float>(), tokens, out.data_ptr<float>(), kernels[1]);
     reader_spec::add_rms_norm_rows(h, out.data_ptr<float>(), mlp_norm.data_ptr<float>(), epsilon, tokens, features,
                                    normed.data_ptr<float>());
     at::Tensor gated = at::empty({tokens, gate_up->out_features}, options);
-    (*gate_up)(normed.data_ptr<float>(), tokens, gated.data_ptr<float>(), compiled[2]);
+    (*gate_up)(normed.data_ptr<float>(), tokens, gated.data_ptr<float>(), kernels[2]);
     at::Tensor activated = at::empty({tokens, intermediate}, options);
     reader_spec::silu_mul_rows(gated.data_ptr<float>(), gated.data_ptr<float>() + up_start, gate_up->out_features,
                                tokens, intermediate, activated.data_ptr<float>());
-    (*down)(activated.data_ptr<float>(), tokens, out.data_ptr<float>(), compiled[3]);
+    (*down)(activated.data_ptr<float>(), tokens, out.data_ptr<float>(), kernels[3]);
     return out;
   }
 };
@@ -239,16 +241,16 @@ struct DecoderStack : torch::CustomClassHolder {
   }
 
   // DecoderLayer.run layer after layer, starting without a residual: cos, sin and visible one
-  // per kind, key and value caches one per layer, `compiled` four flags per layer. Returns the last
+  // per kind, key and value caches one per layer, `kernels` four per layer. Returns the last
   // layer's MLP output (the final norm adds it).
   at::Tensor forward(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                      std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches, at::Tensor position,
                      std::vector<at::Tensor> visible, at::Tensor token_tree, at::Tensor token_offset,
-                     at::Tensor token_row, c10::List<bool> compiled) {
+                     at::Tensor token_row, c10::List<int64_t> kernels) {
     const size_t count = layers.size();
     TORCH_CHECK(count > 0, "DecoderStack: no layers");
     TORCH_CHECK(key_caches.size() == count && value_caches.size() == count, "one key and value cache per layer");
-    TORCH_CHECK(compiled.size() == 4 * count, "four compiled flags per layer");
+    TORCH_CHECK(kernels.size() == 4 * count, "four kernels per layer");
     for (const int64_t kind : kinds) {
       TORCH_CHECK(kind >= 0 && static_cast<size_t>(kind) < cos.size() && static_cast<size_t>(kind) < sin.size() &&
                       static_cast<size_t>(kind) < visible.size(),
@@ -256,11 +258,11 @@ struct DecoderStack : torch::CustomClassHolder {
     }
     c10::optional<at::Tensor> residual;
     for (size_t i = 0; i < count; ++i) {
-      const bool flags[4] = {compiled.get(4 * i), compiled.get(4 * i + 1), compiled.get(4 * i + 2),
-                             compiled.get(4 * i + 3)};
+      const int64_t layer_kernels[4] = {kernels.get(4 * i), kernels.get(4 * i + 1), kernels.get(4 * i + 2),
+                                        kernels.get(4 * i + 3)};
       const int64_t kind = kinds[i];
       residual = layers[i]->run(hidden, residual, cos[kind], sin[kind], key_caches[i], value_caches[i], position,
-                                visible[kind], token_tree, token_offset, token_row, flags);
+                                visible[kind], token_tree, token_offset, token_row, layer_kernels);
     }
     return *residual;
   }

@@ -125,7 +125,7 @@ at::Tensor greedy_tokens(const at::Tensor& hidden, const at::Tensor& weight, con
         if (j / kBlock != block) {
           block = j / kBlock;
           reader_spec::blocked_product(x.data_ptr<float>() + r * k_size, 1, w_data + block * block_stride, k_size,
-                                       nullptr, logits, std::min(kBlock, out_features - block * kBlock));
+                                       nullptr, logits, std::min(kBlock, out_features - block * kBlock), false);
         }
         if (best < 0 || logits[j % kBlock] > best_logit) {
           best = j;

@@ -160,9 +160,11 @@ inline Int16 nonzero(const int8_t* p) {
 }
 
 // y = x @ W.T (+ bias) for `rows` rows of x side by side (`k_size` floats each), W in column blocks
-// ([blocks, k_size, 32]).
+// ([blocks, k_size, 32]). `ahead`: request each block's weights into L2 a few KB ahead of the
+// multiply-adds, where the hardware's prefetcher alone does not keep the memory busy (timed per shape
+// and row count by the caller).
 void blocked_product(const float* x, int64_t rows, const float* weight, int64_t k_size, const float* bias, float* y,
-                     int64_t out_features);
+                     int64_t out_features, bool ahead);
 
 // Integer products (integer_product.cpp): int8 weights with a float32 scale per column, W[n] ~
 // scale[n] q[n], stored per block of 32 columns in groups of 4 k as unsigned bytes q + 128
