@@ -390,7 +390,8 @@ def test_whole_compiled_layers_compute_the_bits_of_the_layer_by_layer_path(
     from reader_spec.engine import weights as weights_module
     from reader_spec.engine.runner import pack_weights
 
-    forced = weights_module.Kernel.READING_AHEAD if kernel == "reading ahead" else weights_module.Kernel.COMPILED
+    Kernel = weights_module.Kernel
+    forced = Kernel.READING_AHEAD if kernel == "reading ahead" else Kernel.COMPILED
     monkeypatch.setattr(weights_module, "_fastest_kernel", lambda matrices, rows: forced)
 
     torch.manual_seed(0)

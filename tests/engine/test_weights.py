@@ -552,7 +552,7 @@ def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_
     Kernel = weights.Kernel
     assert packed[0].kernel_at(1) == Kernel.COMPILED and packed[1].kernel_at(8) == Kernel.READING_AHEAD
     assert packed[2].kernel_at(16) == Kernel.BATCHED and packed[0].kernel_at(64) == Kernel.BATCHED
-    assert len(calls) == 4 and packed[1].kernel_at(50) == Kernel.BATCHED  # each bucket timed once, when needed
+    assert len(calls) == 4 and packed[1].kernel_at(50) == Kernel.BATCHED  # each bucket timed once, when first
     assert len(calls) == 4
     compiled, reading_ahead, _ = calls[0][0]
     compiled()  # one round of a compiled kernel reads every matrix of the shape

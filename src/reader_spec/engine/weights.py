@@ -63,9 +63,10 @@ ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 32, 64, 128, 256, 512)
 """Row counts at which the kernels are timed; a pass uses the choice of the next bucket up (larger
 passes, the batched matmul). 12 is the most rows one AVX-512 tile holds: up to it a product reads
 its matrix once from memory in one stream, beyond it in several tiles, and whether requesting the
-weights ahead pays differs between the two (docs/runner.md). The largest covers a prompt's chunk (``runner.PREFILL_CHUNK``): PyTorch's
-batched matmul is near this CPU's matrix rate on some processors and far below it on others (2.5x
-slower than the compiled kernel at 32-512 rows on an AMD EPYC, docs/runner.md)."""
+weights ahead pays differs between the two (docs/runner.md). The largest covers a prompt's chunk
+(``runner.PREFILL_CHUNK``): PyTorch's batched matmul is near this CPU's matrix rate on some
+processors and far below it on others (2.5x slower than the compiled kernel at 32-512 rows on an AMD
+EPYC, docs/runner.md)."""
 COMPUTE_BOUND_ROWS = 128
 """From this many rows a product is bound by arithmetic, not by reading its matrix: the kernels are
 timed on one matrix of the shape, which caches cannot flatter, in fewer rounds."""
