@@ -536,8 +536,9 @@ def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_
         other.weight
     ]
     calls = []
-    # (compiled, reading ahead, batched) per bucket timed: near ties with the batched matmul first
-    times = iter([[1.05, 1.2, 1.0], [1.2, 1.05, 1.0], [1.2, 1.2, 1.0], [1.3, 1.2, 1.0], [1.2, 1.3, 1.0]])
+    # (compiled, reading ahead, batched) per bucket timed: near ties with the batched matmul first;
+    # the compute-bound bucket times no requests ahead
+    times = iter([[1.05, 1.2, 1.0], [1.2, 1.05, 1.0], [1.2, 1.2, 1.0], [1.3, 1.2, 1.0], [1.2, 1.0]])
 
     def timed(calls_to_time, rounds=5):
         calls.append((calls_to_time, rounds))
@@ -562,6 +563,7 @@ def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_
     assert seen == [(p.weight, True) for p in packed]
     seen.clear()
     assert packed[2].kernel_at(300) == Kernel.BATCHED  # bucket 512: compute-bound, one matrix, fewer rounds
+    assert len(calls[-1][0]) == 2  # the compiled kernel without requests and the batched matmul
     calls[-1][0][0]()
     assert seen == [(packed[0].weight, False)] and calls[-1][1] < 5
     beyond = weights.ROW_BUCKETS[-1] + 1
