@@ -40,12 +40,19 @@ constexpr int64_t kAheadBytes = 8192;
 
 #ifdef __AVX512F__
 constexpr int kMaxRows = 12;  // 24 accumulators + 2 weight vectors of the 32 zmm registers
+constexpr int kWholeBlockRows = kMaxRows;
 #else
 // AVX2 (16 ymm registers, each Vec16 two of them): a whole block holds 3 rows of sums (12 registers
-// and the weights, reloaded for every row); from kHalfBlockRows rows on, a tile takes one half of the
-// block at a time (half_block_tile), up to 6 rows of 16 sums, each weight loaded once for all rows.
+// and the weights, reloaded for every row); a product of more than kStreamRows rows takes one half of
+// each block at a time instead (half_block_chunk), up to 6 rows of 16 sums, each weight loaded once
+// for all rows.
 constexpr int kMaxRows = 6;
-constexpr int kHalfBlockRows = 4;
+constexpr int kStreamTileRows = 3;
+#ifdef __AVX__
+constexpr int kWholeBlockRows = kStreamTileRows;
+#else
+constexpr int kWholeBlockRows = kMaxRows;  // no half-block tiles: whole-block tiles of every size
+#endif
 // Up to this many rows a product is bound by reading its matrix more than by its arithmetic: there
 // whole-block tiles of at most 3 rows, the first reading the block from memory in order, beat a
 // half-block tile, which reads it as every other cache line (a Zen 3 host, the default model's layer
@@ -97,98 +104,133 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const flo
 }
 
 #if !defined(__AVX512F__) && defined(__AVX__)
-// R rows times one float32 block, 16 columns at a time: per k two weight vectors, R broadcasts and 2R
-// multiply-adds (12 sums + 2 weights + 1 broadcast of the 16 registers at 6 rows). Each column's sum
-// is the same sequence of operations as in `tile`.
+// A product of more than kStreamRows rows on AVX2 (interleaved_block): its tiles take turns over each
+// chunk of kChunk k of a block (8 KB, read again from L1 by every tile), each tile one half of the
+// block's columns at a time, and requests the product's next chunk a line at a time, spread evenly
+// over the chunk's multiply-adds of all tiles. So memory is read at the pace of the arithmetic all
+// the time, not by the first tile of a block alone: the next block requested in bursts while the other
+// tiles multiply from L2 left most requested lines to arrive late (a Zen 3 host: a core requests about
+// 14 GB/s when its requests are spread, far less in bursts; the default model's layer products 20-28%
+// faster at 8-16 rows, 10-12% at 20-32; docs/runner.md).
+constexpr int64_t kChunk = 64;
+constexpr int kHalf = kBlock / 2;
+
+// One tile's sums between chunks: [half][row][8 columns], for up to kMaxRows rows.
+struct HalfBlockSums {
+  reader_spec::FloatPart part[2][kMaxRows][2];
+};
+
+// Lines of the product's next chunk, requested one every (65536 / step) multiply-add steps of the
+// chunk: line (step x i) / 65536 at the chunk's i-th step, counted over all its tiles and halves.
+struct ChunkRequests {
+  const char* bytes;
+  int64_t step;
+  int64_t first;  // the count of this tile's first step
+};
+
+// R rows times one half-block after another, over k in [k_begin, k_end), added to `sums`: per k two
+// weight vectors, R broadcasts and 2R multiply-adds (12 sums + 2 weights + 1 broadcast of the 16
+// registers at 6 rows). Each column's sum is the same sequence of operations as in `tile`, whichever
+// chunks and tiles it is cut into.
 template <int R>
-void half_block_tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y,
-                     int64_t ldy, int64_t columns, const NextBlock& next, bool ahead) {
+void half_block_chunk(const float* x, int64_t ldx, const float* w, int64_t k_begin, int64_t k_end, int halves,
+                      HalfBlockSums& held, const ChunkRequests& requests) {
   using reader_spec::FloatPart;
-  constexpr int kHalf = kBlock / 2, kPart = kHalf / 2;
-  constexpr int64_t kChunk = 64;  // k per turn of the two halves: 8 KB of the block, read again from L1
-  const int halves = columns > kHalf ? 2 : 1;
-  FloatPart saved[2][R][2];
-  for (int half = 0; half < 2; ++half) {
-    for (int r = 0; r < R; ++r) saved[half][r][0] = saved[half][r][1] = FloatPart{};
-  }
-  for (int64_t chunk = 0; chunk < k_size; chunk += kChunk) {
-    const int64_t chunk_end = std::min(k_size, chunk + kChunk);
-    for (int half = 0; half < halves; ++half) {
-      FloatPart sums[R][2];
-      std::memcpy(sums, saved[half], sizeof(sums));
-      for (int64_t k = chunk; k < chunk_end; ++k) {
-        const float* w_k = w + half * kHalf + k * kBlock;
-        if (half == 0) {  // the first half reads the chunk from memory, the second from L1
-          if (next.bytes != nullptr) __builtin_prefetch(next.bytes + ((k * next.step) >> 16));
-          if (ahead) {
-            __builtin_prefetch(reinterpret_cast<const char*>(w_k) + kAheadBytes, 0, 1);
-            __builtin_prefetch(reinterpret_cast<const char*>(w_k) + kAheadBytes + 64, 0, 1);
-          }
-        }
-        FloatPart low, high;
-        std::memcpy(&low, w_k, sizeof(low));
-        std::memcpy(&high, w_k + kPart, sizeof(high));
-        for (int r = 0; r < R; ++r) {
-          const float value = x[r * ldx + k];
-          sums[r][0] += value * low;
-          sums[r][1] += value * high;
-        }
+  constexpr int kPart = kHalf / 2;
+  for (int half = 0; half < halves; ++half) {
+    FloatPart sums[R][2];
+    std::memcpy(sums, held.part[half], sizeof(sums));
+    const int64_t first = requests.first + half * (k_end - k_begin) - k_begin;
+    for (int64_t k = k_begin; k < k_end; ++k) {
+      __builtin_prefetch(requests.bytes + (((first + k) * requests.step) >> 16) * 64);
+      const float* w_k = w + half * kHalf + k * kBlock;
+      FloatPart low, high;
+      std::memcpy(&low, w_k, sizeof(low));
+      std::memcpy(&high, w_k + kPart, sizeof(high));
+      for (int r = 0; r < R; ++r) {
+        const float value = x[r * ldx + k];
+        sums[r][0] += value * low;
+        sums[r][1] += value * high;
       }
-      std::memcpy(saved[half], sums, sizeof(sums));
+    }
+    std::memcpy(held.part[half], sums, sizeof(sums));
+  }
+}
+
+// half_block_chunk for `rows` (at most kMaxRows) rows.
+template <int R = kMaxRows>
+void rows_chunk(int rows, const float* x, int64_t ldx, const float* w, int64_t k_begin, int64_t k_end, int halves,
+                HalfBlockSums& held, const ChunkRequests& requests) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_chunk<R - 1>(rows, x, ldx, w, k_begin, k_end, halves, held, requests);
+  }
+  half_block_chunk<R>(x, ldx, w, k_begin, k_end, halves, held, requests);
+}
+
+// y = the tiles' rows x one block: every tile of [first_tile, last_tile) over each chunk in turn, the
+// next chunk (of this block, or the next block's first: blocks lie one after another) requested
+// meanwhile; then bias and output as in `tile`.
+void interleaved_block(const std::vector<int>& sizes, const std::vector<int64_t>& starts, int64_t first_tile,
+                       int64_t last_tile, const float* x_data, int64_t k_size, const float* w, const float* bias,
+                       float* y_data, int64_t ldy, int64_t columns, std::vector<HalfBlockSums>& held) {
+  const int halves = columns > kHalf ? 2 : 1;
+  const int64_t tiles = last_tile - first_tile;
+  held.assign(tiles, HalfBlockSums{});
+  for (int64_t chunk = 0; chunk < k_size; chunk += kChunk) {
+    const int64_t end = std::min(k_size, chunk + kChunk);
+    const int64_t steps_per_tile = halves * (end - chunk);
+    const int64_t lines = (end - chunk) * kBlock * static_cast<int64_t>(sizeof(float)) / 64;
+    ChunkRequests requests{reinterpret_cast<const char*>(w + end * kBlock), (lines << 16) / (steps_per_tile * tiles), 0};
+    for (int64_t t = 0; t < tiles; ++t) {
+      requests.first = t * steps_per_tile;
+      rows_chunk(sizes[first_tile + t], x_data + starts[first_tile + t] * k_size, k_size, w, chunk, end, halves, held[t],
+                 requests);
     }
   }
-  for (int half = 0; half < halves; ++half) {
-    const int64_t count = std::min<int64_t>(kHalf, columns - half * kHalf);
-    for (int r = 0; r < R; ++r) {
-      float out[kHalf];
-      std::memcpy(out, &saved[half][r][0], sizeof(FloatPart));
-      std::memcpy(out + kPart, &saved[half][r][1], sizeof(FloatPart));
-      if (bias != nullptr) {
-        for (int64_t c = 0; c < count; ++c) out[c] += bias[half * kHalf + c];  // after the sum, as in `tile`
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int half = 0; half < halves; ++half) {
+      const int64_t count = std::min<int64_t>(kHalf, columns - half * kHalf);
+      for (int r = 0; r < sizes[first_tile + t]; ++r) {
+        float out[kHalf];
+        std::memcpy(out, held[t].part[half][r], sizeof(out));
+        if (bias != nullptr) {
+          for (int64_t c = 0; c < count; ++c) out[c] += bias[half * kHalf + c];  // after the sum, as in `tile`
+        }
+        std::memcpy(y_data + (starts[first_tile + t] + r) * ldy + half * kHalf, out, count * sizeof(float));
       }
-      std::memcpy(y + r * ldy + half * kHalf, out, count * sizeof(float));
     }
   }
 }
 #endif
 
-// `rows` (at most kMaxRows) rows times one block, through the tile that holds exactly that many rows.
-template <int R = kMaxRows>
+// `rows` (at most kWholeBlockRows) rows times one block, through the tile that holds exactly that many rows.
+template <int R = kWholeBlockRows>
 void rows_tile(int rows, const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y,
                int64_t ldy, int64_t columns, const NextBlock& next, bool ahead) {
   if constexpr (R > 1) {
     if (rows < R) return rows_tile<R - 1>(rows, x, ldx, w, k_size, bias, y, ldy, columns, next, ahead);
   }
-#if !defined(__AVX512F__) && defined(__AVX__)
-  if constexpr (R >= kHalfBlockRows) return half_block_tile<R>(x, ldx, w, k_size, bias, y, ldy, columns, next, ahead);
-#endif
   tile<R>(x, ldx, w, k_size, bias, y, ldy, columns, next, ahead);
 }
 
-// How `rows` rows are cut into tiles, each at most kMaxRows. AVX-512: equal tiles (16 rows: two of 8,
-// not 12 and 4). AVX2: up to kStreamRows rows, whole-block tiles of 3 and the rest; beyond, tiles of 6
-// (the most the registers hold) and the rest. There a tile of 1 to 4 rows waits on the latency of its
-// multiply-adds, not their rate (2 rows take about half as long as 6, 4 rows as long as 5), so a last
-// tile of 1 row goes with the one before as 2 + 2 (4 rows: not 3 + 1), and where a 6-row tile would
-// leave 1 or 4, the last two are 5 + 2 or 5 + 5.
+// How `rows` rows are cut into tiles: equal tiles of at most kMaxRows (16 rows: two of 8 on AVX-512,
+// 6 + 5 + 5 on AVX2), except on AVX2 up to kStreamRows rows, whole-block tiles of 3 and the rest. There
+// a tile of 1 to 4 rows waits on the latency of its multiply-adds, not their rate, so a last tile of 1
+// row goes with the one before as 2 + 2 (4 rows: not 3 + 1).
 std::vector<int> tile_sizes(int64_t rows) {
   std::vector<int> sizes;
-#ifdef __AVX512F__
-  const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows;
-  for (int64_t t = 0; t < tiles; ++t) sizes.push_back(static_cast<int>((t + 1) * rows / tiles - t * rows / tiles));
-#else
-  const int largest = rows <= kStreamRows ? kHalfBlockRows - 1 : kMaxRows;
-  for (; rows > 0; rows -= sizes.back()) sizes.push_back(static_cast<int>(std::min<int64_t>(rows, largest)));
-  if (sizes.size() >= 2 && sizes.back() == 1 && largest < kMaxRows) {
-    sizes[sizes.size() - 2] = 2;
-    sizes.back() = 2;
-  }
-  if (sizes.size() >= 2 && sizes[sizes.size() - 2] == kMaxRows && (sizes.back() == 1 || sizes.back() == 4)) {
-    const int last_two = kMaxRows + sizes.back();
-    sizes[sizes.size() - 2] = 5;
-    sizes.back() = last_two - 5;
+#if !defined(__AVX512F__)
+  if (rows <= kStreamRows) {
+    for (; rows > 0; rows -= sizes.back()) sizes.push_back(static_cast<int>(std::min<int64_t>(rows, kStreamTileRows)));
+    if (sizes.size() >= 2 && sizes.back() == 1) {
+      sizes[sizes.size() - 2] = 2;
+      sizes.back() = 2;
+    }
+    return sizes;
   }
 #endif
+  const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows;
+  for (int64_t t = 0; t < tiles; ++t) sizes.push_back(static_cast<int>((t + 1) * rows / tiles - t * rows / tiles));
   return sizes;
 }
 
@@ -217,10 +259,22 @@ void product(const float* x_data, int64_t rows, const float* w_data, int64_t k_s
   const int64_t tiles_per_share = std::max<int64_t>(1, rows_bytes_in_l2() / (row_bytes * kMaxRows));
   const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(float));
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+#if !defined(__AVX512F__) && defined(__AVX__)
+    std::vector<HalfBlockSums> held;
+#endif
     for (int64_t first_tile = 0; first_tile < tiles; first_tile += tiles_per_share) {
       const int64_t last_tile = std::min(tiles, first_tile + tiles_per_share);
       const int64_t share_tiles = last_tile - first_tile;
       for (int64_t b = begin; b < end; ++b) {
+        const int64_t column = b * kBlock;
+#if !defined(__AVX512F__) && defined(__AVX__)
+        if (rows > kStreamRows) {
+          interleaved_block(sizes, starts, first_tile, last_tile, x_data, k_size, w_data + b * block_stride,
+                            bias_data == nullptr ? nullptr : bias_data + column, y_data + column, out_features,
+                            std::min(kBlock, out_features - column), held);
+          continue;
+        }
+#endif
         for (int64_t t = first_tile; t < last_tile; ++t) {
           // One tile reads its block from memory itself (prefetching a few k ahead); several share the
           // fetching of this thread's next block.
@@ -230,7 +284,6 @@ void product(const float* x_data, int64_t rows, const float* w_data, int64_t k_s
             next.bytes = reinterpret_cast<const char*>(w_data + (b + 1) * block_stride) + (t - first_tile) * share;
             next.step = (share << 16) / k_size;
           }
-          const int64_t column = b * kBlock;
           rows_tile(sizes[t], x_data + starts[t] * k_size, k_size, w_data + b * block_stride, k_size,
                     bias_data == nullptr ? nullptr : bias_data + column, y_data + starts[t] * out_features + column,
                     out_features, std::min(kBlock, out_features - column), next, ahead);
