@@ -197,7 +197,7 @@ struct DecoderLayer : torch::CustomClassHolder {
     float* p = projected.data_ptr<float>();
     (*qkv)(normed.data_ptr<float>(), tokens, p, kernels[0]);
     at::Tensor queries = at::empty({tokens, heads, head_dim}, options);
-    reader_spec::for_rows(tokens, [&](int64_t t) {
+    reader_spec::for_rows(tokens, (heads + 2 * kv_heads) * head_dim, [&](int64_t t) {
       float* query_key = p + t * qkv->out_features;
       if (query_norm.defined()) {  // in place, each head alone
         reader_spec::add_rms_norm_rows(query_key, nullptr, query_norm.data_ptr<float>(), epsilon, heads, head_dim,

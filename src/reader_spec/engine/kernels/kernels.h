@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -229,16 +230,18 @@ at::Tensor rows_product(const char* op, const at::Tensor& input, const c10::opti
   return y.view(out_shape);
 }
 
-// Rows per thread below which a row-wise op runs on the calling thread alone: a pass of a few tokens
-// would wait longer for the other threads than its rows take, while a prompt's chunk of hundreds of
-// rows on one thread leaves the others idle (docs/runner.md, "A prompt on both threads").
-constexpr int64_t kRowsPerThread = 64;
+// Features (of all rows) per thread below which a row-wise op runs on the calling thread alone: a pass
+// of a few tokens would wait longer for the other threads than its rows take. Waking the other
+// thread costs a few microseconds, the gated activation of one 1,536-feature row about five
+// (docs/runner.md, "A prompt on both threads"; session 39).
+constexpr int64_t kFeaturesPerThread = 8192;
 
-// fn(r) for every row r in [0, rows), split between threads where there are enough rows. Each row is
-// computed alone, so the split changes no result.
+// fn(r) for every row r in [0, rows) of `features` features each, split between threads where there
+// are enough. Each row is computed alone, so the split changes no result.
 template <typename Fn>
-void for_rows(int64_t rows, const Fn& fn) {
-  at::parallel_for(0, rows, kRowsPerThread, [&](int64_t begin, int64_t end) {
+void for_rows(int64_t rows, int64_t features, const Fn& fn) {
+  const int64_t grain = std::max<int64_t>(1, kFeaturesPerThread / std::max<int64_t>(features, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) fn(r);
   });
 }

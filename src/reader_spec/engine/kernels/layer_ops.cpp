@@ -51,7 +51,7 @@ inline Vec16 load_partial(const float* p, int64_t count) {
 
 // exp(x) lane by lane (Cephes' single-precision polynomial, about 1 ulp): range-reduced by powers of
 // two, which are put back through the exponent bits.
-inline Vec16 exp16(Vec16 x) {
+__attribute__((always_inline)) inline Vec16 exp16(Vec16 x) {
   x = select(x < 88.3762626647949f, x, splat(88.3762626647949f));
   x = select(x > -88.3762626647949f, x, splat(-88.3762626647949f));
   const Vec16 scaled = x * 1.44269504088896341f + 0.5f;
@@ -386,7 +386,7 @@ at::Tensor rotary_store(const at::Tensor& query_key, const at::Tensor& value, co
   for (int64_t t = 0; t < tokens; ++t) {
     TORCH_CHECK(rp[t] >= 0 && rp[t] < cache.rows && pp[t] >= 0 && pp[t] < cache.capacity, "token outside the cache");
   }
-  reader_spec::for_rows(tokens, [&](int64_t t) {
+  reader_spec::for_rows(tokens, (query_heads + 2 * cache.kv_heads) * dim, [&](int64_t t) {
     reader_spec::rotary_store_token(query_key.data_ptr<float>() + t * query_key.stride(0),
                                     value.data_ptr<float>() + t * value.stride(0), c.data_ptr<float>() + t * dim,
                                     s.data_ptr<float>() + t * dim, query_heads, cache, rp[t], pp[t],
@@ -435,7 +435,7 @@ namespace reader_spec {
 void add_rms_norm_rows(float* hidden, const float* delta, const float* weight, float epsilon, int64_t rows,
                        int64_t features, float* normed) {
   const int64_t vectors = features / kLanes * kLanes;
-  for_rows(rows, [&](int64_t r) {
+  for_rows(rows, features, [&](int64_t r) {
     float* row = hidden + r * features;
     if (delta != nullptr) {
       const float* add = delta + r * features;
@@ -457,7 +457,7 @@ void add_rms_norm_rows(float* hidden, const float* delta, const float* weight, f
 
 void silu_mul_rows(const float* gate, const float* up, int64_t stride, int64_t rows, int64_t features, float* out) {
   const int64_t vectors = features / kLanes * kLanes;
-  for_rows(rows, [&](int64_t r) {
+  for_rows(rows, features, [&](int64_t r) {
     const float* gate_row = gate + r * stride;
     const float* up_row = up + r * stride;
     float* row = out + r * features;
