@@ -1,10 +1,10 @@
 // y = x @ W.T (+ bias) for a few rows of x, with W stored in column blocks: w[b, k, c] = W[32 b + c, k].
 //
 // A verification pass multiplies 1 to ~64 rows by every weight matrix: bandwidth-bound below ~10 rows,
-// compute-bound above. Each block of 32 output columns is read once from memory, kept in L2, and
-// multiplied by every row of x, each row's 32 sums held in registers over the whole of K. Summation
-// runs over k in order for every row whatever the number of rows, so a token's output does not
-// depend on what else is in the pass.
+// compute-bound above. Each block of 32 output columns is read once from memory, kept in L2 (or, a
+// chunk of it at a time, in L1), and multiplied by every row of x, a tile of rows at a time with its
+// sums in registers. Summation runs over k in order for every row whatever the number of rows, so a
+// token's output does not depend on what else is in the pass.
 // (int8 weights are multiplied in integers: integer_product.cpp.)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -110,8 +110,9 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const flo
 // over the chunk's multiply-adds of all tiles. So memory is read at the pace of the arithmetic all
 // the time, not by the first tile of a block alone: the next block requested in bursts while the other
 // tiles multiply from L2 left most requested lines to arrive late (a Zen 3 host: a core requests about
-// 14 GB/s when its requests are spread, far less in bursts; the default model's layer products 20-28%
-// faster at 8-16 rows, 10-12% at 20-32; docs/runner.md).
+// 14 GB/s when its requests are spread, far less in bursts; the default model's layer products 15-25%
+// faster at 8-16 rows, 9-14% at 20-32; docs/runner.md). These products make their own requests: the
+// caller's `ahead` does not apply.
 constexpr int64_t kChunk = 64;
 constexpr int kHalf = kBlock / 2;
 
