@@ -52,6 +52,18 @@ def make_tiny_llama(vocab_size: int = TINY_VOCAB, seed: int = 0, device: str | t
     return model.to(device or torch.get_default_device()).eval().requires_grad_(False)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compiled_parts():
+    """Load the compiled parts first, from the cache ``make`` built them into. A process loads each part
+    once, wherever it is first asked for; asked for first by a test that points ``READER_SPEC_CACHE``
+    at an empty directory, it would be built again there (a minute of this suite)."""
+    from reader_spec.drafters.retrieval import native
+    from reader_spec.engine import kernels
+
+    kernels.available()
+    native.core()
+
+
 @pytest.fixture
 def on_cpu():
     """For a test of CPU-only machinery (the compiled kernels, blocked weights, the greedy head, kernel
