@@ -7,6 +7,7 @@ share of positions where the packed model, fed float32's output, makes float32's
 forcing: what a speculative verifier of float32 would accept from such a draft).
 
     .venv/bin/python scripts/weights_agreement.py [--weights int8|int4] [--limit 3] [--max-new-tokens 128]
+        [--categories coding,math]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import replace
 import torch
 
 from reader_spec.bench.spec_bench import load_questions, per_category
+from reader_spec.cli.common import names
 from reader_spec.config import GenerationConfig
 from reader_spec.engine.loop import Engine
 from reader_spec.engine.runner import pack_weights
@@ -45,6 +47,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--limit", type=int, default=3, help="questions per category (first turns)")
+    parser.add_argument(
+        "--categories", nargs="+", type=names, help="only these categories (spaces or commas between)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--weights", choices=("int8", "int4"), default="int8")
@@ -53,7 +58,8 @@ def main() -> None:
     loaded = load_model()
     packed = replace(loaded, model=copy.deepcopy(loaded.model))
     pack_weights(packed.model, args.weights)
-    questions = per_category(load_questions(), args.limit)
+    categories = [c for group in args.categories for c in group] if args.categories else None
+    questions = per_category(load_questions(), args.limit, categories)
     prompts = [encode_prompt(loaded.tokenizer, q.messages) for q in questions]
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     by_format = {

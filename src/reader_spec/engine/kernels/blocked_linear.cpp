@@ -6,7 +6,7 @@
 // sums in registers. Summation runs over k in order for every row whatever the number of rows, so a
 // token's output does not depend on what else is in the pass.
 // (int8 weights are multiplied in integers: integer_product.cpp.)
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -8,7 +8,11 @@
 // evicts their code and data from the caches, so at a few rows those gaps were a quarter of a pass.
 // Here nothing runs between the ops but the ops themselves, which are the same functions (kernels.h):
 // a layer's output is bitwise the Python layer's.
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/matmul.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 

@@ -12,8 +12,9 @@
 // that floor can win; the blocks that hold them are multiplied by the full product's own tile, so
 // their logits are bitwise the full product's. A row that is not finite gets -1 (the caller takes the
 // full product's argmax).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>

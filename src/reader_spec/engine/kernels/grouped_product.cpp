@@ -19,7 +19,7 @@
 // AVX-512 VNNI, vpdpwssd does the same for 16 columns and adds in the same instruction.
 // Scales (and minimums) as float16 bits (held in int16 tensors), [blocks, in / 32, 64] for 4 bits (the
 // group's 32 scales, then its 32 minimums) and [blocks, in / 32, 32] for 8 bits.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>

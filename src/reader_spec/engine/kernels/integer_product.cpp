@@ -8,7 +8,7 @@
 // allow for K features, since AVX2 multiplies int16 pairs (vpmaddwd) with half the instructions two
 // byte levels take. The weights are stored as unsigned bytes (w + 128, VNNI's unsigned operand);
 // 128 times the row's sum of integers is taken back at the end.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

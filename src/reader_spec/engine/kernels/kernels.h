@@ -3,8 +3,9 @@
 // token's arithmetic is the same whichever of them computes it.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstdint>

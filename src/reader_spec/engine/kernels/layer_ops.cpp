@@ -14,8 +14,10 @@
 // softmax, then the values' weighted sum in the same order, each a fixed sequence of operations. A
 // tree's token sees its context and its ancestors, which are the keys the same token sees in plain
 // decoding, in the same order: its output is bitwise what plain decoding computes.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <algorithm>
