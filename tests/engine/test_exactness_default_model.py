@@ -8,13 +8,14 @@ self-draft: a sampled output follows its own noise from the first token, and a g
 64 tokens are those of its 128), at batch 1 and at batch 8 with categories (and so prompt lengths)
 mixed in every batch, against plain decoding of the same prompts 8 at a time in reverse order (other
 companions than in any speculative run), itself checked against ``transformers``: every greedy choice
-of all 40 outputs against transformers' forward over the whole text, and 5 outputs against its
-``generate``. Engines run on the runner ``auto`` picks (the fast one for this Llama model), on a copy
-of the model; transformers on the untouched one. Seeded sampling (temperatures 0.7 and 1.0 on
-alternate prompts, top-p 0.9) is compared the same way. A mismatch is tolerated only where float
-rounding between a 1-token and an N-token forward can flip the decision: the gap between the two best
-candidates (logits, plus the Gumbel noise when sampling) at the first differing position must be
-below ``NEAR_TIE``, and every such case is printed.
+of all 40 outputs against transformers' forward over the whole text, and the first 64 tokens of 5
+outputs against its ``generate``. Engines run on the runner ``auto`` picks (the fast one for this
+Llama model), on a copy of the model; transformers on the untouched one. Seeded sampling
+(temperatures 0.7 and 1.0 on alternate prompts, top-p 0.9; one at a time, the first 20 prompts) is
+compared the same way. A mismatch is tolerated only where float rounding between a 1-token and an
+N-token forward can flip the decision: the gap between the two best candidates (logits, plus the
+Gumbel noise when sampling) at the first differing position must be below ``NEAR_TIE``, and every
+such case is printed.
 """
 
 from __future__ import annotations
@@ -75,12 +76,13 @@ def drafter(smollm, tmp_path_factory):
 def costs() -> CostModel:
     """Verification costs for the adaptive budget, set rather than timed: pricing decides which drafts
     are verified, not whether verification is exact, and timing the default model's curves for batches
-    up to 8 took a minute and a half of this suite in a fresh cache. Shaped like a CPU's: a pass costs
-    the same up to 12 tokens, then grows with them, and with context."""
+    up to 8 took a minute and a half of this suite in a fresh cache. Shaped like this CPU's (the fast
+    runner's curves in docs/runner.md): each token of a pass past the second adds 5% of a one-token
+    pass, and context adds to all."""
     model = CostModel(budget=DEFAULT_BUDGET)
     for batch, context, drafted in model.missing(8):
         curve = model.samples.setdefault(context, {}).setdefault(batch, {})
-        curve.update({d: 0.025 * max(1.0, (batch + d) / 12) * (1 + context / 4096) for d in drafted})
+        curve.update({d: 0.025 * (1 + 0.05 * max(0, batch + d - 2)) * (1 + context / 4096) for d in drafted})
     return model
 
 
@@ -138,14 +140,16 @@ def test_plain_engine_makes_transformers_greedy_choices(smollm, prompts, questio
 
 
 def test_plain_engine_equals_transformers_generate(smollm, prompts, plain):
+    # generate itself, end to end, on the first SHORT tokens of 5 outputs: every choice of all 128
+    # tokens of all 40 is compared with transformers' forward above.
     for prompt, tokens in list(zip(prompts, plain, strict=True))[:5]:
         generated = smollm.model.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=128,
+            max_new_tokens=SHORT,
             do_sample=False,
         )[0, len(prompt) :].tolist()
-        assert generated == tokens
+        assert generated == tokens[:SHORT]
 
 
 def test_speculative_batch_1_equals_plain(smollm, smollm_engine, prompts, questions, plain, drafter, costs):
@@ -189,13 +193,17 @@ def plain_sampled(smollm_engine, prompts, questions):
 def test_seeded_sampling_equals_plain_sampling(
     smollm, smollm_engine, prompts, questions, plain_sampled, drafter, costs, batch_size
 ):
+    # One at a time, the first 20 prompts (every category, both temperatures); 8 at a time, all 40.
+    count = 20 if batch_size == 1 else len(prompts)
+    prompts, questions, want = prompts[:count], questions[:count], plain_sampled[:count]
     configs = sampled_configs(questions)
     fixed = {"budget": BATCH_8_BUDGET, "adaptive_budget": False} if batch_size == 8 else {"costs": costs}
     outputs = Engine(smollm_engine, drafter(), **fixed).generate(prompts, configs, batch_size=batch_size)
     label = f"sampling batch {batch_size}"
     got = [o.tokens for o in outputs]
-    assert_same_or_near_tie(smollm, prompts, questions, plain_sampled, got, label, configs)
-    assert sum(o.stats.accepted for o in outputs) > 100
+    assert_same_or_near_tie(smollm, prompts, questions, want, got, label, configs)
+    print(f"{label}: {sum(o.stats.accepted for o in outputs)} draft tokens accepted")
+    assert sum(o.stats.accepted for o in outputs) > 2.5 * count
 
 
 # --- the int8 self-draft, fused with retrieval --------------------------------------------------------
@@ -243,10 +251,10 @@ def test_second_turns_on_reused_rows_equal_fresh_plain_decoding(
 ):
     """Each two-turn question as a conversation on one speculative engine: its second turn (carrying
     plain decoding's first answer) prefills only past the first turn's row, and must give what plain
-    decoding gives on an engine that reuses nothing. First turns run 8 at a time (each leaves its own
-    row), then their second turns one at a time, each on the row its first turn left."""
-    chosen = [i for i, q in enumerate(questions) if len(q.turns) > 1][:16]  # two batches of first turns
-    assert len(chosen) == 16
+    decoding gives on an engine that reuses nothing. The first turns of 8 questions run together (each
+    leaves its own row), then their second turns one at a time, each on the row its first turn left."""
+    chosen = [i for i, q in enumerate(questions) if len(q.turns) > 1][:8]  # one batch of first turns
+    assert len(chosen) == 8
     second = [
         encode_prompt(
             smollm.tokenizer,
@@ -256,10 +264,8 @@ def test_second_turns_on_reused_rows_equal_fresh_plain_decoding(
     ]
     fresh = Engine(smollm_engine, reuse_prefixes=False).generate(second, CONFIG, batch_size=8)
     engine = Engine(smollm_engine, drafter(), max_batch_size=8, costs=costs)
-    outputs = []
-    for group in range(0, len(chosen), 8):
-        engine.generate([prompts[i] for i in chosen[group : group + 8]], CONFIG, batch_size=8)
-        outputs += [engine.generate([prompt], CONFIG)[0] for prompt in second[group : group + 8]]
+    engine.generate([prompts[i] for i in chosen], CONFIG, batch_size=8)
+    outputs = [engine.generate([prompt], CONFIG)[0] for prompt in second]
     assert all(o.stats.cached_tokens >= len(prompts[i]) for i, o in zip(chosen, outputs, strict=True))
     label = "second turns on reused rows, batch 1"
     picked = [questions[i] for i in chosen]
