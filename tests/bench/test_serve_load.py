@@ -81,14 +81,16 @@ def test_markdown_and_json_files(report, tmp_path):
 
 def test_a_conversations_next_turn_finds_its_first_turn_in_the_cache(tiny, tmp_path, monkeypatch):
     """Later turns carry the conversation so far; the server reuses what the first turn left, and
-    their outputs are the same with speculation on and off, and with reuse off."""
+    their outputs are the same with speculation on and off, and with reuse off. One conversation at a
+    time: with two at once on two rows, both can finish in one step and the other client's next
+    request may take the row first (a reuse the scheduler cannot promise)."""
     monkeypatch.setenv("READER_SPEC_CACHE", str(tmp_path))
     conversations = [[PROMPTS[0], "w9 w8 w9"], [PROMPTS[1]], [PROMPTS[2], "w8 w9 w8", "w40 w41"]]
     reports = {
         reuse: run_serve_load(
             tiny,
             conversations,
-            concurrency=[2],
+            concurrency=[1],
             max_new_tokens=MAX_NEW,
             costs=FLAT_COSTS,
             reuse_prefixes=reuse,
