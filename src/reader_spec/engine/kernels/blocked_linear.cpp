@@ -148,6 +148,10 @@ void half_block_chunk(const float* x, int64_t ldx, const float* w, int64_t k_beg
       FloatPart low, high;
       std::memcpy(&low, w_k, sizeof(low));
       std::memcpy(&high, w_k + kPart, sizeof(high));
+      // Both in registers: for tiles of up to 4 rows GCC otherwise folds the loads into the
+      // multiply-adds, loading each weight R times, which made 4-row tiles about 1.4x slower from L1
+      // on a Zen 3 host (docs/runner.md, "Session 42"). An empty asm: no instruction, no change in result.
+      __asm__("" : "+x"(low), "+x"(high));
       for (int r = 0; r < R; ++r) {
         const float value = x[r * ldx + k];
         sums[r][0] += value * low;
