@@ -286,6 +286,24 @@ def test_the_floor_counts_every_weight_once_packed_or_not(weights):
         assert after.flops_per_second > 0
 
 
+def test_the_floor_and_the_passes_are_timed_in_the_same_rounds(tiny, monkeypatch):
+    """A floor timed minutes before the passes would be another minute's floor on a shared host."""
+    timed = []
+
+    def record(calls, *args, **kwargs):
+        timed.append(set(calls))
+        return time_interleaved(calls, *args, **kwargs)
+
+    monkeypatch.setattr(probe, "time_interleaved", record)
+    floor, passes = probe.floor_and_passes(tiny.model, [0, 3], 8, rounds=1)
+    assert len(timed) == 1 and {("pass", 0), ("pass", 3)} < timed[0]
+    assert {kind for kind, _ in timed[0]} == {"floor", "pass"}
+    assert set(passes) == {0, 3} and all(seconds > 0 for seconds in passes.values())
+    alone = measure_floor(tiny.model, rounds=1)
+    assert (floor.weight_bytes, floor.parameters) == (alone.weight_bytes, alone.parameters)
+    assert floor.bytes_per_second > 0 and floor.flops_per_second > 0
+
+
 def test_the_floor_is_bandwidth_until_compute_takes_longer():
     floor = Floor(weight_bytes=1_000, parameters=250, bytes_per_second=1_000.0, flops_per_second=5_000.0)
     assert floor.seconds(1) == 1.0 and floor.seconds(10) == 1.0  # 2 x 250 x 10 / 5000 = 1

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from transformers import PreTrainedModel
@@ -21,6 +22,8 @@ from reader_spec.engine.layouts import BLOCK, to_blocks
 from reader_spec.engine.runner import ModelRunner, max_context_of, synchronizer, text_config
 from reader_spec.engine.tree import DraftTree
 from reader_spec.engine.weights import ROW_BUCKETS, PackedLinear
+
+Key = TypeVar("Key", bound=Hashable)
 
 PROBE_SEED = 0
 PROBE_ROUNDS = 9
@@ -34,6 +37,14 @@ def probe_verify(
     """Seconds of a packed verification pass of ``batch`` chains holding each total of draft tokens
     (spread evenly), after ``context`` tokens in every row, on the given runner: greedy passes (what
     most requests run; a sampling pass also computes its rows' whole output layer)."""
+    calls = verify_calls(model, batch, drafted, context, runner)
+    return time_interleaved(calls, synchronize=synchronizer(model.device))
+
+
+def verify_calls(
+    model: PreTrainedModel, batch: int, drafted: Sequence[int], context: int, runner: str = "auto"
+) -> dict[int, Callable[[], object]]:
+    """The passes :func:`probe_verify` times, by total draft tokens, ready to run."""
     most = max(drafted)
     positions = max_context_of(model.config)
     if positions is not None:  # a model with few positions (GPT-2: 1,024) is probed at its longest
@@ -52,8 +63,7 @@ def probe_verify(
         rows = list(range(batch))
         return lambda: probe.verify(trees, rows, [True] * batch)
 
-    calls = {total: verify(total) for total in drafted}
-    return time_interleaved(calls, synchronize=synchronizer(model.device))
+    return {total: verify(total) for total in drafted}
 
 
 def _probe_text(probe: ModelRunner, context: int, width: int, vocab: int) -> list[int]:
@@ -78,10 +88,10 @@ def _probe_text(probe: ModelRunner, context: int, width: int, vocab: int) -> lis
 
 
 def time_interleaved(
-    calls: dict[int, Callable[[], object]],
+    calls: dict[Key, Callable[[], object]],
     rounds: int = PROBE_ROUNDS,
     synchronize: Callable[[], None] = lambda: None,
-) -> dict[int, float]:
+) -> dict[Key, float]:
     """Fastest wall time of each call over ``rounds`` after a warm-up round.
 
     Load from other processes only ever adds time, and on shared cores it comes in bursts that can
@@ -91,7 +101,7 @@ def time_interleaved(
     work, so that each time is the call's own.
     """
     keys = list(calls)
-    times: dict[int, list[float]] = {key: [] for key in keys}
+    times: dict[Key, list[float]] = {key: [] for key in keys}
     for round_ in range(rounds + 1):
         for key in keys if round_ % 2 else reversed(keys):
             start = time.perf_counter()
@@ -152,47 +162,85 @@ def _parameter_count(model: PreTrainedModel) -> int:
 
 def measure_floor(model: PreTrainedModel, rounds: int = 5) -> Floor:
     """This machine's floor for ``model``'s passes (a few seconds of measuring)."""
-    weight_bytes = _parameter_bytes(model)
-    device, dtype = model.device, model.dtype
-    parameters = _parameter_count(model)
-    synchronize = synchronizer(device)
-    buffer = torch.ones(weight_bytes // torch.finfo(dtype).bits * 8, dtype=dtype, device=device)
-    size = 2048
-    a = torch.ones(size, size, dtype=dtype, device=device)
-    reads = {0: (buffer.sum, weight_bytes)}
-    products = {1: (lambda: a @ a, 2 * size**3)}
-    rows = ROW_BUCKETS[-1]
-    if device.type == "cpu" and dtype == torch.float32 and kernels.available():
-        compiled = torch.ops.reader_spec.blocked_linear
-        # The buffer read as a one-row pass reads a matrix, either way (the product streams in order
-        # and prefetches, a sum does not).
-        blocks = buffer[: buffer.numel() // (size * BLOCK) * size * BLOCK].view(-1, size, BLOCK)
-        row = torch.ones(1, size)
-        for key, ahead in ((2, False), (-2, True)):
-            reads[key] = (
-                functools.partial(compiled, row, blocks, None, blocks.shape[0] * BLOCK, ahead),
-                blocks.numel() * 4,
-            )
-        blocked, x = to_blocks(a, size), torch.ones(rows, size)
-        products[3] = (lambda: compiled(x, blocked, None, size), 2 * rows * size**2)
-    # Weights in integers: the rate of the model's own products, each kind of matrix alone (what a pass
-    # runs, without the calls between them), not float32's.
-    kinds = {
-        (m.in_features, m.out_features, m.weight_format): m
-        for m in model.modules()
-        if isinstance(m, PackedLinear) and m.scales is not None
-    }
-    if kinds:
-        products = {
-            4 + i: (
-                functools.partial(m, torch.ones(rows, m.in_features, dtype=dtype, device=device)),
-                2 * rows * m.in_features * m.out_features,
-            )
-            for i, m in enumerate(kinds.values())
-        }
+    probe = FloorProbe(model)
     with torch.inference_mode():
-        calls = {key: call for key, (call, _) in (reads | products).items()}
-        times = time_interleaved(calls, rounds, synchronize)
-    bandwidth = max(size_ / times[key] for key, (_, size_) in reads.items())
-    flops = max(work / times[key] for key, (_, work) in products.items())
-    return Floor(weight_bytes, parameters, bandwidth, flops, integer_products=bool(kinds))
+        return probe.floor(time_interleaved(probe.calls, rounds, synchronizer(model.device)))
+
+
+def floor_and_passes(
+    model: PreTrainedModel,
+    widths: Sequence[int],
+    context: int,
+    runner: str = "auto",
+    rounds: int = PROBE_ROUNDS,
+) -> tuple[Floor, dict[int, float]]:
+    """This machine's floor and the seconds of batch 1's passes of ``widths`` draft tokens (as
+    :func:`probe_verify`), timed in the same rounds.
+
+    A shared host's speed can move by a third within minutes (docs/runner.md, session 41): a floor
+    measured before the passes would divide one minute's passes by another minute's floor. Taking
+    both in the same rounds, each at its fastest, compares them at the same moments.
+    """
+    probe = FloorProbe(model)
+    passes = verify_calls(model, 1, widths, context, runner)
+    calls: dict[tuple[str, int], Callable[[], object]] = {
+        ("floor", key): call for key, call in probe.calls.items()
+    }
+    calls |= {("pass", width): call for width, call in passes.items()}
+    with torch.inference_mode():
+        times = time_interleaved(calls, rounds, synchronizer(model.device))
+    floor = probe.floor({key: seconds for (kind, key), seconds in times.items() if kind == "floor"})
+    return floor, {width: times["pass", width] for width in passes}
+
+
+class FloorProbe:
+    """What :class:`Floor` is measured with: reads of a buffer as large as ``model``'s weights and
+    large matrix products (``calls``), and the floor from their times (``floor``)."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.weight_bytes = _parameter_bytes(model)
+        self.parameters = _parameter_count(model)
+        device, dtype = model.device, model.dtype
+        buffer = torch.ones(self.weight_bytes // torch.finfo(dtype).bits * 8, dtype=dtype, device=device)
+        size = 2048
+        a = torch.ones(size, size, dtype=dtype, device=device)
+        self.reads = {0: (buffer.sum, self.weight_bytes)}
+        products = {1: (lambda: a @ a, 2 * size**3)}
+        rows = ROW_BUCKETS[-1]
+        if device.type == "cpu" and dtype == torch.float32 and kernels.available():
+            compiled = torch.ops.reader_spec.blocked_linear
+            # The buffer read as a one-row pass reads a matrix, either way (the product streams in
+            # order and prefetches, a sum does not).
+            blocks = buffer[: buffer.numel() // (size * BLOCK) * size * BLOCK].view(-1, size, BLOCK)
+            row = torch.ones(1, size)
+            for key, ahead in ((2, False), (-2, True)):
+                self.reads[key] = (
+                    functools.partial(compiled, row, blocks, None, blocks.shape[0] * BLOCK, ahead),
+                    blocks.numel() * 4,
+                )
+            blocked, x = to_blocks(a, size), torch.ones(rows, size)
+            products[3] = (lambda: compiled(x, blocked, None, size), 2 * rows * size**2)
+        # Weights in integers: the rate of the model's own products, each kind of matrix alone (what a
+        # pass runs, without the calls between them), not float32's.
+        kinds = {
+            (m.in_features, m.out_features, m.weight_format): m
+            for m in model.modules()
+            if isinstance(m, PackedLinear) and m.scales is not None
+        }
+        if kinds:
+            products = {
+                4 + i: (
+                    functools.partial(m, torch.ones(rows, m.in_features, dtype=dtype, device=device)),
+                    2 * rows * m.in_features * m.out_features,
+                )
+                for i, m in enumerate(kinds.values())
+            }
+        self.integer_products = bool(kinds)
+        self.products = products
+        self.calls = {key: call for key, (call, _) in (self.reads | self.products).items()}
+
+    def floor(self, times: dict[int, float]) -> Floor:
+        """The floor from the fastest time of each of ``calls``."""
+        bandwidth = max(size / times[key] for key, (_, size) in self.reads.items())
+        flops = max(work / times[key] for key, (_, work) in self.products.items())
+        return Floor(self.weight_bytes, self.parameters, bandwidth, flops, self.integer_products)

@@ -71,18 +71,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_floor(engine: Engine) -> None:
-    """Batch 1's passes of 1 to ``FLOOR_WIDTHS`` tokens, timed now, beside this machine's floor for each."""
-    from reader_spec.budget.probe import measure_floor, probe_verify
+    """Batch 1's passes of 1 to ``FLOOR_WIDTHS`` tokens beside this machine's floor for each, both
+    timed in the same rounds (see :func:`~reader_spec.budget.probe.floor_and_passes`)."""
+    from reader_spec.budget.probe import floor_and_passes
 
-    floor = measure_floor(engine.model)
+    floor, passes = floor_and_passes(engine.model, range(FLOOR_WIDTHS), PROBE_CONTEXT, engine.runner_name)
     unit = "OP" if floor.integer_products else "FLOP"
     print(
-        f"\nfloor on this machine ({engine.runner_name} runner): {floor.weight_bytes / 1e6:.0f} MB "
-        f"of weights at {floor.bytes_per_second / 1e9:.1f} GB/s read, "
+        f"\nfloor on this machine ({engine.runner_name} runner), measured in the passes' rounds: "
+        f"{floor.weight_bytes / 1e6:.0f} MB of weights at {floor.bytes_per_second / 1e9:.1f} GB/s read, "
         f"{floor.parameters / 1e6:.1f}M parameters at {floor.flops_per_second / 1e9:.0f} G{unit}/s"
     )
     print(f"tokens in a pass at batch 1, {PROBE_CONTEXT} tokens of context: measured ms / floor ms (ratio)")
-    passes = probe_verify(engine.model, 1, range(FLOOR_WIDTHS), PROBE_CONTEXT, engine.runner_name)
     cells = []
     for drafted, measured in passes.items():
         least = floor.seconds(drafted + 1)
