@@ -13,7 +13,7 @@ from reader_spec.budget.costs import (
     probed_batches,
     save_costs,
 )
-from reader_spec.budget.probe import Floor, measure_floor, probe_verify, time_interleaved
+from reader_spec.budget.probe import Floor, FloorProbe, probe_verify, time_interleaved
 from reader_spec.budget.realized import EXTRA_RANGE, DraftingGate, RealizedAcceptance, RealizedCost
 from reader_spec.engine.runner import ModelRunner
 from reader_spec.engine.tree import EMPTY_PROPOSAL, chain_proposal
@@ -265,6 +265,13 @@ def test_realized_acceptance_follows_recent_steps_from_a_neutral_start():
             RealizedAcceptance(decay, prior)
 
 
+def measure_floor(model) -> Floor:
+    """The floor alone, one round (what ``reader calibrate`` times beside the passes)."""
+    floor_probe = FloorProbe(model)
+    with torch.inference_mode():
+        return floor_probe.floor(time_interleaved(floor_probe.calls, rounds=1))
+
+
 @pytest.mark.parametrize("weights", ["float32", "int8", "int4"])
 def test_the_floor_counts_every_weight_once_packed_or_not(weights):
     from reader_spec.engine.decoder import FastDecoder
@@ -272,9 +279,9 @@ def test_the_floor_counts_every_weight_once_packed_or_not(weights):
 
     model = make_tiny_llama()
     parameters = sum(p.numel() for p in model.parameters())  # a tied matrix is one parameter
-    before = measure_floor(model, rounds=1)
+    before = measure_floor(model)
     FastDecoder(model, weights=weights)  # fused views of shared matrices, padded to whole blocks of 32 rows
-    after = measure_floor(model, rounds=1)
+    after = measure_floor(model)
     assert before.parameters == parameters and before.weight_bytes == 4 * parameters
     assert not before.integer_products
     # Multiply-adds a token costs, whatever the storage: not the padding rows, nor bytes taken for floats.
@@ -299,7 +306,7 @@ def test_the_floor_and_the_passes_are_timed_in_the_same_rounds(tiny, monkeypatch
     assert len(timed) == 1 and {("pass", 0), ("pass", 3)} < timed[0]
     assert {kind for kind, _ in timed[0]} == {"floor", "pass"}
     assert set(passes) == {0, 3} and all(seconds > 0 for seconds in passes.values())
-    alone = measure_floor(tiny.model, rounds=1)
+    alone = measure_floor(tiny.model)
     assert (floor.weight_bytes, floor.parameters) == (alone.weight_bytes, alone.parameters)
     assert floor.bytes_per_second > 0 and floor.flops_per_second > 0
 

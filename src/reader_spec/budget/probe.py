@@ -160,13 +160,6 @@ def _parameter_count(model: PreTrainedModel) -> int:
     )
 
 
-def measure_floor(model: PreTrainedModel, rounds: int = 5) -> Floor:
-    """This machine's floor for ``model``'s passes (a few seconds of measuring)."""
-    probe = FloorProbe(model)
-    with torch.inference_mode():
-        return probe.floor(time_interleaved(probe.calls, rounds, synchronizer(model.device)))
-
-
 def floor_and_passes(
     model: PreTrainedModel,
     widths: Sequence[int],
