@@ -154,13 +154,6 @@ inline void store(Lane* p, const Wide<Lane, Part>& v) {
 }
 #endif
 
-// Sixteen bytes as lanes of -1 where not 0, 0 where 0.
-inline Int16 nonzero(const int8_t* p) {
-  int32_t lanes[kLanes];
-  for (int i = 0; i < kLanes; ++i) lanes[i] = p[i];
-  return load(lanes) != 0;
-}
-
 // y = x @ W.T (+ bias) for `rows` rows of x side by side (`k_size` floats each), W in column blocks
 // ([blocks, k_size, 32]). `ahead`: request each block's weights into L2 a few KB ahead of the
 // multiply-adds, where the hardware's prefetcher alone does not keep the memory busy (timed per shape

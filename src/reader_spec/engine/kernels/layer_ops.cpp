@@ -35,7 +35,6 @@ using reader_spec::bits_as_float;
 using reader_spec::Int16;
 using reader_spec::kLanes;
 using reader_spec::load;
-using reader_spec::nonzero;
 using reader_spec::select;
 using reader_spec::store;
 using reader_spec::to_float;
@@ -152,8 +151,13 @@ constexpr int64_t kMaxHeadDim = 256;
 struct AttentionScratch {
   std::vector<char> seen_by_any;
   std::vector<int32_t> keys;
-  std::vector<int8_t> sees;  // per token of the run: 1 where it sees the run's i-th key, 0 elsewhere
+  std::vector<Int16> sees;  // per token of the run and block of 16 keys: lanes of -1 where it sees the key
   std::vector<float> weights;
+  std::vector<float> sums;  // per query: its values' weighted sums
+  std::vector<const float*> weight_rows;
+  std::vector<float*> sum_rows;
+  std::vector<float> padded;  // values of a head_dim that is not a whole number of registers
+  std::vector<int32_t> order;
 };
 
 // Keys (and values) are fetched this many ahead of their use: each is a few cache lines of a row of
@@ -179,48 +183,6 @@ constexpr int kSumVectors = 16;
 constexpr int kSumVectors = 4;
 #endif
 
-// Query heads whose value sums a thread keeps in registers at once.
-template <int kChunks>
-constexpr int kQueriesAtOnce = kChunks > 0 && kChunks <= kSumVectors ? kSumVectors / kChunks : 1;
-
-// The values' weighted sums of kCount queries (`weights[q]`: one weight per key of the run): out[q] =
-// sum_i weights[q][i] v_i / total[q], over the run's keys in cache order. A key the query does not see
-// has weight 0 and adds exactly nothing, so each query's sums are the same sequence of roundings as
-// over its own keys alone, whichever queries a call takes it with. A call takes as many as it is given
-// (`count`, at most kQueriesAtOnce): one token's 3 heads of a group take 3, not 4 with one of zeros.
-template <int kChunks, int kCount = kQueriesAtOnce<kChunks>>
-void weighted_values(int64_t count, const float* const* weights, const float* values, const int32_t* keys_seen,
-                     int64_t n, int64_t dim, float* const* out) {
-  if constexpr (kCount > 1) {
-    if (count < kCount) return weighted_values<kChunks, kCount - 1>(count, weights, values, keys_seen, n, dim, out);
-  }
-  constexpr int kMaxChunks = kChunks > 0 ? kChunks : kMaxHeadDim / kLanes + 1;
-  const int64_t chunks = kChunks > 0 ? kChunks : (dim + kLanes - 1) / kLanes;
-  const int64_t tail = dim % kLanes;
-  Vec16 sums[kCount][kMaxChunks] = {};
-  float totals[kCount] = {};
-  for (int64_t i = 0; i < n; ++i) {
-    if (i % kLanes == 0) prefetch_rows(values, keys_seen, i + kPrefetchKeys, std::min(n, i + kPrefetchKeys + kLanes), dim);
-    const float* v = values + keys_seen[i] * dim;
-    Vec16 value[kMaxChunks];
-    for (int64_t c = 0; c < chunks; ++c) {
-      value[c] = kChunks == 0 && tail && c == chunks - 1 ? load_partial(v + c * kLanes, tail) : load(v + c * kLanes);
-    }
-    for (int q = 0; q < kCount; ++q) {
-      const float weight = weights[q][i];
-      for (int64_t c = 0; c < chunks; ++c) sums[q][c] += weight * value[c];
-      totals[q] += weight;
-    }
-  }
-  for (int q = 0; q < kCount; ++q) {
-    // No visible key (never in a pass the runner builds): zeros, a sum over nothing.
-    const float inverse = totals[q] > 0 ? 1.0f / totals[q] : 0.0f;
-    float row[kMaxChunks * kLanes];
-    for (int64_t c = 0; c < chunks; ++c) store(row + c * kLanes, sums[q][c] * inverse);
-    std::memcpy(out[q], row, dim * sizeof(float));
-  }
-}
-
 // Sixteen dot products, scaled: lane i is scaling * (x . k[i]), each a vector of partial sums reduced by
 // the same tree whatever the other keys are. Missing keys point at zeros.
 template <int kChunks>
@@ -243,18 +205,86 @@ Vec16 scores_of(const float* x, const float* const (&k)[kLanes], int64_t dim, fl
   return lane_sums(sums) * scaling;
 }
 
+// One register of the ISA: the whole of a Vec16 with AVX-512, one of its parts elsewhere. The values'
+// sums are taken in tiles of kValueQueries queries by kValueParts registers of lanes, so that each
+// value register loaded serves several queries (with one query at a time, as many loads as
+// multiply-adds); each lane sees the operations of the Vec16 code. AVX2: 12 sums, 2 values and a
+// broadcast of the 16 registers; AVX-512: 16 sums of the 32.
+#ifdef __AVX512F__
+using Native = Vec16;
+constexpr int kNativeLanes = kLanes;
+constexpr int kValueQueries = 4, kValueParts = 4;
+#else
+using Native = reader_spec::FloatPart;
+constexpr int kNativeLanes = reader_spec::kPartLanes;
+constexpr int kValueQueries = 6, kValueParts = 2;
+#endif
+
+inline Native load_native(const float* p) {
+  Native v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store_native(float* p, const Native& v) { std::memcpy(p, &v, sizeof(v)); }
+
+// The values' weighted sums of kQ queries on kP registers of lanes from `first`: per lane, the keys'
+// weighted values summed in cache order. A key a query does not see has weight 0 and adds exactly
+// nothing, so each query's sums are the same sequence of roundings as over its own keys alone,
+// whichever queries a tile takes it with. `fetch`: request every line of the row kPrefetchKeys keys
+// ahead (the run's first tile; the later ones read the rows' other lines from the caches, which the
+// hardware's prefetcher, seeing one line of each row, would not have brought).
+template <int kQ, int kP>
+void value_tile(const float* const* weights, const float* values, const int32_t* keys_seen, int64_t n,
+                int64_t stride, int64_t first, bool fetch, float* const* sums) {
+  Native acc[kQ][kP] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    if (fetch && i + kPrefetchKeys < n) {
+      const char* row = reinterpret_cast<const char*>(values + keys_seen[i + kPrefetchKeys] * stride);
+      for (int64_t line = 0; line < stride * static_cast<int64_t>(sizeof(float)); line += 64) {
+        __builtin_prefetch(row + line);
+      }
+    }
+    const float* v = values + keys_seen[i] * stride + first;
+    Native value[kP];
+    for (int p = 0; p < kP; ++p) value[p] = load_native(v + p * kNativeLanes);
+    for (int q = 0; q < kQ; ++q) {
+      const float weight = weights[q][i];
+      for (int p = 0; p < kP; ++p) acc[q][p] += weight * value[p];
+    }
+  }
+  for (int q = 0; q < kQ; ++q) {
+    for (int p = 0; p < kP; ++p) store_native(sums[q] + first + p * kNativeLanes, acc[q][p]);
+  }
+}
+
+// value_tile for `count` queries and `parts` registers (at most kValueQueries and kValueParts).
+template <int kQ = kValueQueries, int kP = kValueParts>
+void value_tiles(int64_t count, int64_t parts, const float* const* weights, const float* values,
+                 const int32_t* keys_seen, int64_t n, int64_t stride, int64_t first, bool fetch, float* const* sums) {
+  if constexpr (kQ > 1) {
+    if (count < kQ) {
+      return value_tiles<kQ - 1, kP>(count, parts, weights, values, keys_seen, n, stride, first, fetch, sums);
+    }
+  }
+  if constexpr (kP > 1) {
+    if (parts < kP) {
+      return value_tiles<kQ, kP - 1>(count, parts, weights, values, keys_seen, n, stride, first, fetch, sums);
+    }
+  }
+  value_tile<kQ, kP>(weights, values, keys_seen, n, stride, first, fetch, sums);
+}
+
 // The attention of `tokens` consecutive tokens of one cache row (tokens of one tree) on one key/value
 // head, for the `group` query heads that share it: each block of keys and each value is read once for
 // all of them. A query's arithmetic is its own: scores of the keys (dot products, each reduced by the
 // same tree), weights exp(score - max) over the keys it sees (0 elsewhere), then the values' weighted
-// sum in cache order. `kChunks`: head_dim / 16 where the dispatch knows it (loops unroll, sums stay in
-// registers), 0 for any.
+// sum in cache order. `kChunks`: head_dim / 16 where the dispatch knows it (loops unroll), 0 for any.
 template <int kChunks>
 void attend_run(const float* query, int64_t tokens, int64_t heads, int64_t group, int64_t kv_head,
                 const CacheView& cache, int64_t row, const bool* const* visible, int64_t kv_length, float scaling,
                 float softcap, float* out, AttentionScratch& scratch) {
   const int64_t dim = cache.head_dim;
-  const int64_t chunks = kChunks > 0 ? kChunks : dim / kLanes, tail = kChunks > 0 ? 0 : dim % kLanes;
   const int64_t queries = tokens * group;
   // The keys any of the tokens sees, in cache order.
   scratch.seen_by_any.assign(kv_length, 0);
@@ -287,37 +317,70 @@ void attend_run(const float* query, int64_t tokens, int64_t heads, int64_t group
     }
   }
   // Scores to weights: exp(score - the largest score the query sees), 0 for keys it does not see,
-  // sixteen keys at a time (a maximum does not depend on the order it is taken in).
-  scratch.sees.assign(tokens * stride, 0);
+  // sixteen keys at a time (a maximum does not depend on the order it is taken in). Which keys a token
+  // sees, as lane masks: once per token for all its queries.
+  const int64_t blocks = stride / kLanes;
+  scratch.sees.resize(tokens * blocks);
   for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t i = 0; i < n; ++i) scratch.sees[t * stride + i] = visible[t][keys_seen[i]];
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t lanes[kLanes];
+      for (int lane = 0; lane < kLanes; ++lane) {
+        const int64_t i = b * kLanes + lane;
+        lanes[lane] = i < n && visible[t][keys_seen[i]] ? -1 : 0;
+      }
+      scratch.sees[t * blocks + b] = load(lanes);
+    }
   }
   const Vec16 lowest = splat(-std::numeric_limits<float>::infinity());
   for (int64_t q = 0; q < queries; ++q) {
-    const int8_t* sees = scratch.sees.data() + (q / group) * stride;
+    const Int16* sees = scratch.sees.data() + (q / group) * blocks;
     float* weights = scratch.weights.data() + q * stride;
     Vec16 largest = lowest;
-    for (int64_t first = 0; first < n; first += kLanes) {
-      const Vec16 scores = load(weights + first);
-      largest = select(nonzero(sees + first) & (scores > largest), scores, largest);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const Vec16 scores = load(weights + b * kLanes);
+      largest = select(sees[b] & (scores > largest), scores, largest);
     }
     float best = -std::numeric_limits<float>::infinity();
     for (int lane = 0; lane < kLanes; ++lane) best = std::max(best, largest[lane]);
-    for (int64_t first = 0; first < n; first += kLanes) {
-      const Vec16 exponentials = exp16(load(weights + first) - best);
-      store(weights + first, select(nonzero(sees + first), exponentials, Vec16{}));
+    for (int64_t b = 0; b < blocks; ++b) {
+      const Vec16 exponentials = exp16(load(weights + b * kLanes) - best);
+      store(weights + b * kLanes, select(sees[b], exponentials, Vec16{}));
     }
   }
-  constexpr int kAtOnce = kQueriesAtOnce<kChunks>;
-  for (int64_t q = 0; q < queries; q += kAtOnce) {
-    const int64_t count = std::min<int64_t>(kAtOnce, queries - q);
-    const float* weights[kAtOnce];
-    float* outputs[kAtOnce];
-    for (int64_t i = 0; i < count; ++i) {
-      weights[i] = scratch.weights.data() + (q + i) * stride;
-      outputs[i] = out + head_of(q + i);
+  // The values' weighted sums by tiles of queries and registers (from a copy of the values padded with
+  // zeros where head_dim is not a whole number of registers), then each divided by its weights' sum.
+  int64_t value_stride = dim;
+  if (dim % kNativeLanes != 0) {
+    value_stride = (dim + kNativeLanes - 1) / kNativeLanes * kNativeLanes;
+    scratch.padded.assign(n * value_stride, 0.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      std::memcpy(scratch.padded.data() + i * value_stride, values + keys_seen[i] * dim, dim * sizeof(float));
     }
-    weighted_values<kChunks>(count, weights, values, keys_seen, n, dim, outputs);
+    scratch.order.resize(n);
+    for (int64_t i = 0; i < n; ++i) scratch.order[i] = static_cast<int32_t>(i);
+    values = scratch.padded.data(), keys_seen = scratch.order.data();
+  }
+  scratch.sums.resize(queries * value_stride);
+  scratch.weight_rows.resize(queries);
+  scratch.sum_rows.resize(queries);
+  for (int64_t q = 0; q < queries; ++q) {
+    scratch.weight_rows[q] = scratch.weights.data() + q * stride;
+    scratch.sum_rows[q] = scratch.sums.data() + q * value_stride;
+  }
+  const int64_t parts = value_stride / kNativeLanes;
+  for (int64_t q = 0; q < queries; q += kValueQueries) {
+    for (int64_t part = 0; part < parts; part += kValueParts) {
+      value_tiles(queries - q, parts - part, scratch.weight_rows.data() + q, values, keys_seen, n, value_stride,
+                  part * kNativeLanes, q == 0 && part == 0, scratch.sum_rows.data() + q);
+    }
+  }
+  for (int64_t q = 0; q < queries; ++q) {
+    float total = 0;
+    for (int64_t i = 0; i < n; ++i) total += scratch.weight_rows[q][i];
+    // No visible key (never in a pass the runner builds): zeros, a sum over nothing.
+    const float inverse = total > 0 ? 1.0f / total : 0.0f;
+    float* o = out + head_of(q);
+    for (int64_t d = 0; d < dim; ++d) o[d] = scratch.sum_rows[q][d] * inverse;
   }
 }
 
