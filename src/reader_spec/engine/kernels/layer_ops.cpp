@@ -149,11 +149,13 @@ constexpr int64_t kMaxHeadDim = 256;
 
 // Buffers one thread reuses across its runs of attention.
 struct AttentionScratch {
+  int64_t run = -1;  // the run whose keys and masks are below
   std::vector<char> seen_by_any;
-  std::vector<int32_t> keys;
+  std::vector<int32_t> keys;  // the keys any token of the run sees, in cache order
   std::vector<Int16> sees;  // per token of the run and block of 16 keys: lanes of -1 where it sees the key
   std::vector<float> weights;
   std::vector<float> sums;  // per query: its values' weighted sums
+  std::vector<float> totals;  // per query: the sum of its weights
   std::vector<const float*> weight_rows;
   std::vector<float*> sum_rows;
   std::vector<float> padded;  // values of a head_dim that is not a whole number of registers
@@ -200,7 +202,7 @@ Vec16 scores_of(const float* x, const float* const (&k)[kLanes], int64_t dim, fl
       const Vec16 x_chunk = load_partial(x + chunks * kLanes, tail);
       for (int i = 0; i < kSumVectors; ++i) some[i] += x_chunk * load_partial(k[first + i] + chunks * kLanes, tail);
     }
-    std::copy(some, some + kSumVectors, sums + first);
+    for (int i = 0; i < kSumVectors; ++i) sums[first + i] = some[i];  // std::copy: a call to memmove
   }
   return lane_sums(sums) * scaling;
 }
@@ -275,18 +277,9 @@ void value_tiles(int64_t count, int64_t parts, const float* const* weights, cons
   value_tile<kQ, kP>(weights, values, keys_seen, n, stride, first, fetch, sums);
 }
 
-// The attention of `tokens` consecutive tokens of one cache row (tokens of one tree) on one key/value
-// head, for the `group` query heads that share it: each block of keys and each value is read once for
-// all of them. A query's arithmetic is its own: scores of the keys (dot products, each reduced by the
-// same tree), weights exp(score - max) over the keys it sees (0 elsewhere), then the values' weighted
-// sum in cache order. `kChunks`: head_dim / 16 where the dispatch knows it (loops unroll), 0 for any.
-template <int kChunks>
-void attend_run(const float* query, int64_t tokens, int64_t heads, int64_t group, int64_t kv_head,
-                const CacheView& cache, int64_t row, const bool* const* visible, int64_t kv_length, float scaling,
-                float softcap, float* out, AttentionScratch& scratch) {
-  const int64_t dim = cache.head_dim;
-  const int64_t queries = tokens * group;
-  // The keys any of the tokens sees, in cache order.
+// The keys that any of a run's `tokens` tokens sees (`visible[t]`: its row of the visibility mask), in
+// cache order, and which of them each token sees as lane masks: the same for every key/value head.
+void see_run(const bool* const* visible, int64_t tokens, int64_t kv_length, AttentionScratch& scratch) {
   scratch.seen_by_any.assign(kv_length, 0);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t j = 0; j < kv_length; ++j) scratch.seen_by_any[j] |= visible[t][j];
@@ -295,6 +288,47 @@ void attend_run(const float* query, int64_t tokens, int64_t heads, int64_t group
   for (int64_t j = 0; j < kv_length; ++j) {
     if (scratch.seen_by_any[j]) scratch.keys.push_back(static_cast<int32_t>(j));
   }
+  const int64_t n = static_cast<int64_t>(scratch.keys.size()), blocks = (n + kLanes - 1) / kLanes;
+  scratch.sees.resize(tokens * blocks);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t lanes[kLanes];
+      for (int lane = 0; lane < kLanes; ++lane) {
+        const int64_t i = b * kLanes + lane;
+        lanes[lane] = i < n && visible[t][scratch.keys[i]] ? -1 : 0;
+      }
+      scratch.sees[t * blocks + b] = load(lanes);
+    }
+  }
+}
+
+// Each of `count` weight rows summed over its first n weights in order, several rows at a time: one
+// row's sum is a chain of dependent additions, and a row at a time would wait on each of them.
+void weight_totals(const float* const* rows, int64_t count, int64_t n, float* totals) {
+  constexpr int kAtOnce = 8;
+  for (int64_t first = 0; first < count; first += kAtOnce) {
+    const float* some[kAtOnce];
+    for (int j = 0; j < kAtOnce; ++j) some[j] = rows[std::min<int64_t>(first + j, count - 1)];
+    float sums[kAtOnce] = {};
+    for (int64_t i = 0; i < n; ++i) {
+      for (int j = 0; j < kAtOnce; ++j) sums[j] += some[j][i];
+    }
+    for (int j = 0; j < kAtOnce && first + j < count; ++j) totals[first + j] = sums[j];
+  }
+}
+
+// The attention of `tokens` consecutive tokens of one cache row (tokens of one tree, whose keys and
+// masks see_run has put in `scratch`) on one key/value head, for the `group` query heads that share
+// it: each block of keys and each value is read once for all of them. A query's arithmetic is its own:
+// scores of the keys (dot products, each reduced by the same tree), weights exp(score - max) over the
+// keys it sees (0 elsewhere), then the values' weighted sum in cache order. `kChunks`: head_dim / 16
+// where the dispatch knows it (loops unroll), 0 for any.
+template <int kChunks>
+void attend_run(const float* query, int64_t tokens, int64_t heads, int64_t group, int64_t kv_head,
+                const CacheView& cache, int64_t row, float scaling, float softcap, float* out,
+                AttentionScratch& scratch) {
+  const int64_t dim = cache.head_dim;
+  const int64_t queries = tokens * group;
   const int32_t* keys_seen = scratch.keys.data();
   const int64_t n = static_cast<int64_t>(scratch.keys.size());
   const int64_t stride = (n + kLanes - 1) / kLanes * kLanes;
@@ -317,20 +351,8 @@ void attend_run(const float* query, int64_t tokens, int64_t heads, int64_t group
     }
   }
   // Scores to weights: exp(score - the largest score the query sees), 0 for keys it does not see,
-  // sixteen keys at a time (a maximum does not depend on the order it is taken in). Which keys a token
-  // sees, as lane masks: once per token for all its queries.
+  // sixteen keys at a time (a maximum does not depend on the order it is taken in).
   const int64_t blocks = stride / kLanes;
-  scratch.sees.resize(tokens * blocks);
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      int32_t lanes[kLanes];
-      for (int lane = 0; lane < kLanes; ++lane) {
-        const int64_t i = b * kLanes + lane;
-        lanes[lane] = i < n && visible[t][keys_seen[i]] ? -1 : 0;
-      }
-      scratch.sees[t * blocks + b] = load(lanes);
-    }
-  }
   const Vec16 lowest = splat(-std::numeric_limits<float>::infinity());
   for (int64_t q = 0; q < queries; ++q) {
     const Int16* sees = scratch.sees.data() + (q / group) * blocks;
@@ -361,6 +383,7 @@ void attend_run(const float* query, int64_t tokens, int64_t heads, int64_t group
     values = scratch.padded.data(), keys_seen = scratch.order.data();
   }
   scratch.sums.resize(queries * value_stride);
+  scratch.totals.resize(queries);
   scratch.weight_rows.resize(queries);
   scratch.sum_rows.resize(queries);
   for (int64_t q = 0; q < queries; ++q) {
@@ -374,9 +397,9 @@ void attend_run(const float* query, int64_t tokens, int64_t heads, int64_t group
                   part * kNativeLanes, q == 0 && part == 0, scratch.sum_rows.data() + q);
     }
   }
+  weight_totals(scratch.weight_rows.data(), queries, n, scratch.totals.data());
   for (int64_t q = 0; q < queries; ++q) {
-    float total = 0;
-    for (int64_t i = 0; i < n; ++i) total += scratch.weight_rows[q][i];
+    const float total = scratch.totals[q];
     // No visible key (never in a pass the runner builds): zeros, a sum over nothing.
     const float inverse = total > 0 ? 1.0f / total : 0.0f;
     float* o = out + head_of(q);
@@ -577,13 +600,18 @@ void attend(const float* query, int64_t tokens, int64_t heads, const CacheView& 
       const int64_t order = item / cache.kv_heads, kv_head = item % cache.kv_heads;
       const int64_t run = order % 2 == 0 ? order / 2 : runs - 1 - order / 2;
       const int64_t first = starts[run], count = starts[run + 1] - first;
-      visible.clear();
-      for (int64_t t = first; t < first + count; ++t) {
-        visible.push_back(visibility.visible + (visibility.token_tree[t] * visibility.width + visibility.token_offset[t]) *
-                                                   visibility.kv_length);
+      if (run != scratch.run) {  // a run's heads are consecutive items: its keys and masks serve them all
+        visible.clear();
+        for (int64_t t = first; t < first + count; ++t) {
+          visible.push_back(visibility.visible +
+                            (visibility.token_tree[t] * visibility.width + visibility.token_offset[t]) *
+                                visibility.kv_length);
+        }
+        see_run(visible.data(), count, visibility.kv_length, scratch);
+        scratch.run = run;
       }
-      run_of(query + first * heads * dim, count, heads, group, kv_head, cache, visibility.token_row[first],
-             visible.data(), visibility.kv_length, scaling, softcap, out + first * heads * dim, scratch);
+      run_of(query + first * heads * dim, count, heads, group, kv_head, cache, visibility.token_row[first], scaling,
+             softcap, out + first * heads * dim, scratch);
     }
   });
 }
