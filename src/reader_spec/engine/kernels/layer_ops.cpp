@@ -72,9 +72,14 @@ __attribute__((always_inline)) inline Vec16 exp16(Vec16 x) {
 }
 
 // The sum of each of 16 vectors' lanes, as one vector (lane j: the sum of sums[j]), by a fixed tree
-// of pairwise additions: a value depends only on its own vector, never on the other fifteen.
+// of pairwise additions: a value depends only on its own vector, never on the other fifteen. The
+// vectors come as `Folded`: where the tree's first round adds within a vector (AVX2: its two halves),
+// `fold` does it as each vector is made, which spares storing and reloading it whole.
 #ifdef __AVX512F__
-inline Vec16 lane_sums(const Vec16 (&sums)[16]) {
+using Folded = Vec16;
+inline Folded fold(const Vec16& v) { return v; }
+
+inline Vec16 lane_sums(const Folded (&sums)[16]) {
   Vec16 halves[8], quarters[4], eighths[2];
   for (int i = 0; i < 8; ++i) {  // lanes 0-7: vector 2i's halves added, 8-15: vector 2i+1's
     const Vec16 a = sums[2 * i], b = sums[2 * i + 1];
@@ -96,12 +101,14 @@ inline Vec16 lane_sums(const Vec16 (&sums)[16]) {
 }
 #elif defined(__AVX__)
 // The same tree on the struct's two 8-lane halves: first each vector's halves added (lane l: s[l] +
-// s[l+8]), then the three shuffle rounds above on eight lanes.
-inline Vec16 lane_sums(const Vec16 (&sums)[16]) {
+// s[l+8]: the fold), then the three shuffle rounds above on eight lanes.
+using Folded = reader_spec::FloatPart;
+inline Folded fold(const Vec16& v) { return v.part[0] + v.part[1]; }
+
+inline Vec16 lane_sums(const Folded (&halves)[16]) {
   using reader_spec::FloatPart;
   using reader_spec::IntPart;
-  FloatPart halves[16], quarters[8], eighths[4];
-  for (int i = 0; i < 16; ++i) halves[i] = sums[i].part[0] + sums[i].part[1];
+  FloatPart quarters[8], eighths[4];
   for (int i = 0; i < 8; ++i) {  // lanes 0-3: vector 2i's h[l] + h[l+4], 4-7: vector 2i+1's
     const FloatPart a = halves[2 * i], b = halves[2 * i + 1];
     quarters[i] = __builtin_shuffle(a, b, IntPart{0, 1, 2, 3, 8, 9, 10, 11}) +
@@ -123,7 +130,10 @@ inline Vec16 lane_sums(const Vec16 (&sums)[16]) {
 #else
 // The same tree on parts of native vectors: a lane's sum is ((s[l] + s[l+8]) + (s[l+4] + s[l+12])) +
 // ((s[l+2] + s[l+10]) + (s[l+6] + s[l+14])) for l = 0 then 1, and those two added, as above.
-inline Vec16 lane_sums(const Vec16 (&sums)[16]) {
+using Folded = Vec16;
+inline Folded fold(const Vec16& v) { return v; }
+
+inline Vec16 lane_sums(const Folded (&sums)[16]) {
   float halves[16][8], out[16];
   for (int i = 0; i < 16; ++i) {
     for (int l = 0; l < 8; ++l) halves[i][l] = sums[i][l] + sums[i][l + 8];
@@ -191,7 +201,7 @@ template <int kChunks>
 Vec16 scores_of(const float* x, const float* const (&k)[kLanes], int64_t dim, float scaling) {
   const int64_t chunks = kChunks > 0 ? kChunks : dim / kLanes, tail = kChunks > 0 ? 0 : dim % kLanes;
   // kSumVectors keys at a time: each key's sums are the same operations in the same order.
-  Vec16 sums[kLanes];
+  Folded sums[kLanes];
   for (int first = 0; first < kLanes; first += kSumVectors) {
     Vec16 some[kSumVectors] = {};
     for (int64_t c = 0; c < chunks; ++c) {
@@ -202,7 +212,7 @@ Vec16 scores_of(const float* x, const float* const (&k)[kLanes], int64_t dim, fl
       const Vec16 x_chunk = load_partial(x + chunks * kLanes, tail);
       for (int i = 0; i < kSumVectors; ++i) some[i] += x_chunk * load_partial(k[first + i] + chunks * kLanes, tail);
     }
-    for (int i = 0; i < kSumVectors; ++i) sums[first + i] = some[i];  // std::copy: a call to memmove
+    for (int i = 0; i < kSumVectors; ++i) sums[first + i] = fold(some[i]);
   }
   return lane_sums(sums) * scaling;
 }
