@@ -329,28 +329,39 @@ def test_seconds_saved_weighs_expected_tokens_against_the_pass():
 def test_realized_cost_learns_the_plain_pass_and_the_drafts_extra_apart():
     curve = [20.0 + 0.2 * n for n in range(9)]  # timed in a slow minute: plain dear, drafts cheap
     cost = RealizedCost(decay=1.0, prior=1.0, band=2.0)
-    assert cost.adjust(curve) == curve and cost.factors() == (1.0, 1.0)
+    assert cost.adjust(curve) == curve and cost.factors() == (1.0, 1.0, 0.0)
     for _ in range(50):
         for n in range(9):  # what the passes cost since: 12 ms plain, 1.3 ms a draft token
-            cost.record(curve[0], curve[n], measured=12.0 + 1.3 * n)
-    base, extra = cost.factors()
-    assert base == pytest.approx(0.6, rel=0.02) and extra == pytest.approx(6.5, rel=0.05)
+            cost.record(curve[0], curve[n], n, measured=12.0 + 1.3 * n)
+    assert cost.factors()[0] == pytest.approx(0.6, rel=0.02)
     assert cost.adjust(curve) == pytest.approx([12.0 + 1.3 * n for n in range(9)], rel=0.02)
     before = cost.factors()
-    cost.record(curve[0], curve[4], measured=100.0)  # stalled, or not this machine's curve
-    cost.record(curve[0], curve[0], measured=0.001)
+    cost.record(curve[0], curve[4], 4, measured=100.0)  # stalled, or not this machine's curve
+    cost.record(curve[0], curve[0], 0, measured=0.001)
     assert cost.factors() == before
+
+
+def test_realized_cost_prices_draft_tokens_a_flat_curve_called_free():
+    curve = [50.0, 49.0, 47.0, 48.0, 50.0, 49.5, 50.0, 51.0, 50.0]  # noise around a flat line
+    cost = RealizedCost(decay=0.98, prior=4.0, band=2.0)
+    for _ in range(40):
+        for n in (0, 0, 0, 2, 4, 8):  # each draft token adds 2 ms to a 50 ms pass
+            cost.record(curve[0], curve[n], n, measured=50.0 + 2.0 * n)
+    base, _, per_token = cost.factors()
+    assert base == pytest.approx(1.0, abs=0.02) and per_token == pytest.approx(0.04, rel=0.1)
+    adjusted = cost.adjust(curve)
+    assert adjusted[8] - adjusted[0] == pytest.approx(16.0, rel=0.15)
 
 
 def test_realized_cost_is_held_within_its_band_and_fades_back_to_the_curve():
     cost = RealizedCost(decay=0.9, prior=0.01, band=2.0)
     for _ in range(200):  # drafts whose pass costs no more than a plain one
-        cost.record(10.0, 10.0, measured=10.0)
-        cost.record(10.0, 12.0, measured=10.0)
-    assert cost.factors() == pytest.approx((1.0, 1 / EXTRA_RANGE), abs=0.02)
-    for _ in range(200):  # only plain passes, below the curve: the drafts' extra returns to 1
-        cost.record(10.0, 10.0, measured=8.0)
-    assert cost.factors() == pytest.approx((0.8, 1.0), abs=1e-2)
+        cost.record(10.0, 10.0, 0, measured=10.0)
+        cost.record(10.0, 12.0, 2, measured=10.0)
+    assert cost.factors() == pytest.approx((1.0, 1 / EXTRA_RANGE, 0.0), abs=0.02)
+    for _ in range(200):  # only plain passes, below the curve: the drafts' factors return to the curve's
+        cost.record(10.0, 10.0, 0, measured=8.0)
+    assert cost.factors() == pytest.approx((0.8, 1.0, 0.0), abs=1e-2)
     for decay, prior, band in [(0.0, 1.0, 2.0), (0.9, 0.0, 2.0), (0.9, 1.0, 0.5)]:
         with pytest.raises(ValueError):
             RealizedCost(decay, prior, band)

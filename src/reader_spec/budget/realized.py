@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 
 class RealizedAcceptance:
     """Draft tokens accepted per unit of probability the kept nodes were given, over recent steps.
@@ -59,22 +61,28 @@ priced a draft token at a fourteenth of what the next calibration measured (0.1 
 
 
 class RealizedCost:
-    """Measured pass seconds against the cost curve's, as a plain pass and the drafts' extra apart.
+    """Measured pass seconds against the cost curve's: a plain pass, the drafts' extra, and a cost per
+    draft token the curve does not show.
 
     The curve is timed on synthetic passes once; a running engine's passes depart from it, and not by
     one factor. At batch 8 plain passes ran below the curve and passes with drafts above it
     (docs/runner.md), and a curve timed while the host streamed memory slowly (a Zen 4 host here
     switches between about 51 and 35 GB/s for seconds at a time) prices the plain pass high and each
-    draft token low, so that trees come out too large in every later run. So a pass of ``n`` drafts
-    is taken to cost ``base * t(0) + extra * (t(n) - t(0))`` of the curve's ``t``, and the two factors
-    are fitted to the measured passes by least squares (each pass relative to its plain entry, so long
-    and short contexts weigh alike), over recent steps: every step fades what came before by
-    ``decay``, and ``prior`` steps at a factor of 1 (for ``extra``, steps whose drafts add
-    ``EXTRA_SCALE`` to the pass) hold each where the passes say little about it, so that ``extra``
-    returns to 1 while no pass has drafts. A pass more than ``band`` times off the curve either way
-    is not counted: a burst of other work stalled it, or the curve is not this machine's (tests price
-    passes in made-up seconds). ``base`` stays within that band and ``extra`` within
-    ``EXTRA_RANGE``, so that a few noisy passes cannot make drafts look free.
+    draft token low, so that trees come out too large in every later run. A curve can also be flat
+    where passes are not: one timed at batch 8 on a shared host priced eight draft tokens at nothing
+    where the run's passes paid 60% more for them (docs/runner.md, session 44), and no factor on a
+    flat curve's extra makes it steeper. So a pass of ``n`` drafts is taken to cost
+    ``t(0) (base + per_token n) + extra (t(n) - t(0))`` of the curve's ``t``, and the three factors
+    are fitted to the measured passes by least squares (each pass relative to its plain entry, so
+    long and short contexts weigh alike), over recent steps: every step fades what came before by
+    ``decay``, and ``prior`` steps hold each factor where the passes say little about it (``base``
+    and ``extra`` at 1, for ``extra`` steps whose drafts add ``EXTRA_SCALE`` to the pass;
+    ``per_token`` at 0, on steps of one draft token), so that the fit returns to the curve while no
+    pass has drafts. A pass more than ``band`` times off the curve either way is not counted: a burst
+    of other work stalled it, or the curve is not this machine's (tests price passes in made-up
+    seconds). ``base`` stays within that band, ``extra`` within ``EXTRA_RANGE`` and ``per_token`` at
+    or above 0, so that a few noisy passes cannot make drafts look free. What a pass costs against
+    the curve depends on the batch size, so the engine keeps one per size bucket.
     """
 
     def __init__(self, decay: float = 0.98, prior: float = 4.0, band: float = 2.0) -> None:
@@ -83,37 +91,41 @@ class RealizedCost:
         self.decay = decay
         self.prior = prior
         self.band = band
-        self._sums = [0.0] * 5
-        """Decayed sums over passes of 1, u, u^2, y and u*y, where y is measured seconds and u the
-        curve's extra for the drafts, both over the curve's plain entry."""
+        self._moments = np.zeros((3, 3))
+        self._targets = np.zeros(3)
+        """Decayed sums of x x^T and x y over passes, x = (1, u, n): u the curve's extra for the
+        drafts and y the measured seconds, both over the curve's plain entry, n the draft tokens."""
 
-    def factors(self) -> tuple[float, float]:
-        """``(base, extra)``: what the plain pass and the drafts' extra cost against the curve."""
-        count, u, uu, y, uy = self._sums
-        # Minimise sum (y - base - extra u)^2 + prior (base - 1)^2 + prior EXTRA_SCALE^2 (extra - 1)^2.
-        held = self.prior * EXTRA_SCALE**2
-        a, b, d = count + self.prior, u, uu + held
-        e, f = y + self.prior, uy + held
-        determinant = a * d - b * b
-        base = min(max((e * d - b * f) / determinant, 1.0 / self.band), self.band)
-        extra = min(max((a * f - b * e) / determinant, 1.0 / EXTRA_RANGE), EXTRA_RANGE)
-        return base, extra
+    def factors(self) -> tuple[float, float, float]:
+        """``(base, extra, per_token)``: what the plain pass, the drafts' extra and each draft token
+        cost against the curve (``per_token`` as a share of the plain pass)."""
+        # Minimise sum (y - x . theta)^2 + sum_i weight_i (theta_i - held_i)^2.
+        weights = self.prior * np.array([1.0, EXTRA_SCALE**2, 1.0])
+        held = np.array([1.0, 1.0, 0.0])
+        lhs, rhs = self._moments + np.diag(weights), self._targets + weights * held
+        base, extra, per_token = np.linalg.solve(lhs, rhs)
+        if per_token < 0:  # the curve's shape already prices the tokens: refit with per_token held at 0
+            (base, extra), per_token = np.linalg.solve(lhs[:2, :2], rhs[:2]), 0.0
+        base = min(max(base, 1.0 / self.band), self.band)
+        extra = min(max(extra, 1.0 / EXTRA_RANGE), EXTRA_RANGE)
+        return float(base), float(extra), float(per_token)
 
-    def record(self, plain: float, predicted: float, measured: float) -> None:
-        """One step's pass: the curve's seconds for a plain pass and for the pass as verified, and the
-        seconds it took."""
-        self._sums = [total * self.decay for total in self._sums]
+    def record(self, plain: float, predicted: float, drafted: int, measured: float) -> None:
+        """One step's pass: the curve's seconds for a plain pass and for the pass as verified, its
+        draft tokens, and the seconds it took."""
+        self._moments *= self.decay
+        self._targets *= self.decay
         if not 1.0 / self.band <= measured / predicted <= self.band:
             return
-        u, y = (predicted - plain) / plain, measured / plain
-        for i, term in enumerate((1.0, u, u * u, y, u * y)):
-            self._sums[i] += term
+        x = np.array([1.0, (predicted - plain) / plain, float(drafted)])
+        self._moments += np.outer(x, x)
+        self._targets += x * (measured / plain)
 
     def adjust(self, seconds: Sequence[float]) -> list[float]:
         """A cost table (seconds by draft tokens) as passes have been costing."""
-        base, extra = self.factors()
+        base, extra, per_token = self.factors()
         plain = seconds[0]
-        return [plain * base + (t - plain) * extra for t in seconds]
+        return [plain * (base + per_token * n) + (t - plain) * extra for n, t in enumerate(seconds)]
 
 
 @dataclass

@@ -54,8 +54,9 @@ class _Drafts:
     proposals: list[Proposal]
     trees: list[DraftTree]
     seconds: float
-    predicted: tuple[float, float] | None = None
-    """What the cost curve says a plain pass and the step's pass cost (None: the budget is not priced)."""
+    predicted: tuple[float, float, int] | None = None
+    """What the cost curve says a plain pass and the step's pass cost, and the pass's draft tokens
+    (None: the budget is not priced)."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,8 @@ class Engine:
         self.budget = budget if drafter is not None else 0
         self.adaptive_budget = adaptive_budget
         self.realized = RealizedAcceptance()
-        self.realized_cost = RealizedCost()
+        self.realized_costs: dict[int, RealizedCost] = {}
+        """By batch-size bucket (powers of two, as the cost curves are probed)."""
         self.max_context = max_context_of(self.model.config)
         self._costs = costs
         self.runner_kind = runner
@@ -309,7 +311,7 @@ class Engine:
         runner.cache.commit_rows([s.row for s in batch], paths)
         self.realized.record(expected, accepted)
         if drafts.predicted is not None:
-            self.realized_cost.record(*drafts.predicted, verify_seconds)
+            self._realized_cost(len(batch)).record(*drafts.predicted, verify_seconds)
 
     def _draft(self, runner: ModelRunner, batch: list[DecodingSequence]) -> _Drafts:
         """Each sequence's proposal, cut to the share of the step's budget the allocation gives it."""
@@ -325,7 +327,7 @@ class Engine:
                     gate.record(len(batch), saved, time.perf_counter() - started)
             else:
                 plain = self.costs.seconds(len(batch), 0, context)
-                predicted = (plain, plain)
+                predicted = (plain, plain, 0)
         elif self.budget > 0:
             proposals = [p.truncated(self.budget) for p in propose_all(self.drafter, keys, self.budget)]
         trees = [DraftTree.from_proposal(s.tokens[-1], p) for s, p in zip(batch, proposals, strict=True)]
@@ -333,17 +335,23 @@ class Engine:
 
     def _priced_proposals(
         self, keys: list[int], context: float
-    ) -> tuple[list[Proposal], tuple[float, float], float]:
+    ) -> tuple[list[Proposal], tuple[float, float, int], float]:
         """The batch's proposals cut by the allocation (priced by the cost curve as passes have been
         costing), what the curve says a plain pass and their pass cost, and the seconds they are
         expected to save."""
         curve = self.costs.table(len(keys), len(keys) * self.budget, context)
-        seconds = self.realized_cost.adjust(curve)
+        seconds = self._realized_cost(len(keys)).adjust(curve)
         proposals = propose_all(self.drafter, keys, self.budget, seconds)
         factor = self.realized.factor
         counts = allocate(proposals, seconds, self.budget, factor)
         proposals = [p.truncated(n) for p, n in zip(proposals, counts, strict=True)]
-        return proposals, (curve[0], curve[sum(counts)]), seconds_saved(proposals, counts, seconds, factor)
+        drafted = sum(counts)
+        saved = seconds_saved(proposals, counts, seconds, factor)
+        return proposals, (curve[0], curve[drafted], drafted), saved
+
+    def _realized_cost(self, batch: int) -> RealizedCost:
+        """How passes of this batch size have been costing against the curve."""
+        return self.realized_costs.setdefault(batch.bit_length(), RealizedCost())
 
     def _accept(self, seq: DecodingSequence, proposal: Proposal, tree: DraftTree, scores) -> list[int]:
         """Walk the tree with the request's acceptance rule and keep what the limits allow; returns the
