@@ -1,10 +1,13 @@
 """The greedy head's token is the full float32 product's argmax, bit for bit, ties included."""
 
+import itertools
+
 import pytest
 import torch
 
 from reader_spec.engine import kernels
-from reader_spec.engine.greedy_head import GreedyHead
+from reader_spec.engine.greedy_head import UNNEEDED, GreedyHead, tree_rows
+from reader_spec.engine.tree import DraftTree
 from reader_spec.engine.weights import ROW_BUCKETS, pack_linears
 
 
@@ -143,3 +146,57 @@ def test_it_applies_to_float32_heads_without_bias_only():
     biased, _ = pack_linears([torch.nn.Linear(64, 100)])
     int8, _ = pack_linears([torch.nn.Linear(64, 100, bias=False)], weights="int8")
     assert not GreedyHead.applies(biased) and not GreedyHead.applies(int8)
+
+
+def test_given_the_trees_only_rows_greedy_acceptance_reads_are_resolved():
+    """Rows below a rejected draft are left UNNEEDED; rows along the accepted path, found in rounds
+    down the tree, and roots are the full product's argmax. A zero row makes every column a candidate,
+    so it is resolved only if needed; a row that is not finite leaves its children needed."""
+    torch.manual_seed(7)
+    head, greedy = head_of(torch.randn(500, 64) * 0.05)
+    hidden = torch.randn(9, 64) * 3
+    first = int(full_argmax(head, hidden[:1])[0])
+    # Tree A: root 0; 1 accepted (zero row: token 0), 2 rejected; 3 under 1 accepted (zero row), 4 under 2.
+    a = DraftTree([5, first, (first + 1) % 500, 0, 7], [-1, 0, 0, 1, 2])
+    hidden[[1, 2, 3, 4]] = 0.0
+    # Tree B: a zero root. Tree C: a root that is not finite, its one child a zero row.
+    b = DraftTree([3], [-1])
+    c = DraftTree([4, 9], [-1, 0])
+    hidden[5] = 0.0
+    hidden[6, 2] = float("inf")
+    hidden[7] = 0.0
+    tokens = greedy(hidden[:8], tree_rows([a, b, c]))
+    expected = full_argmax(head, hidden[:8])
+    expected[6] = head(hidden[6:7]).argmax(-1)[0]
+    for row in (0, 1, 3, 5, 6, 7):
+        assert tokens[row] == expected[row], row
+    assert tokens[2] == tokens[4] == UNNEEDED
+    assert a.walk(tokens[:5].tolist().__getitem__) == a.walk(expected[:5].tolist().__getitem__)
+
+
+def test_random_trees_walk_as_with_every_token_resolved():
+    rng = torch.Generator().manual_seed(8)
+    head, greedy = head_of(torch.randn(300, 64, generator=rng) * 0.05)
+
+    def draw(high: int) -> int:
+        return int(torch.randint(0, high, (1,), generator=rng))
+
+    unneeded = 0
+    for _ in range(20):
+        shapes = [[-1] + [draw(i) for i in range(1, 1 + draw(8))] for _ in range(1 + draw(4))]
+        starts = list(itertools.accumulate([0] + [len(parents) for parents in shapes]))
+        hidden = torch.randn(starts[-1], 64, generator=rng) * 3
+        hidden[torch.rand(starts[-1], generator=rng) < 0.3] = 0.0  # rows where every column is a candidate
+        full = full_argmax(head, hidden).tolist()
+        trees = []
+        for parents, start in zip(shapes, starts, strict=False):
+            # Half the drafts are what the model picks at their parent (accepted), half random.
+            tokens = [draw(300) if parent < 0 or draw(2) else full[start + parent] for parent in parents]
+            trees.append(DraftTree(tokens, parents))
+        tokens = greedy(hidden, tree_rows(trees)).tolist()
+        for tree, start in zip(trees, starts, strict=False):
+            lazy, exact = tokens[start : start + len(tree)], full[start : start + len(tree)]
+            assert all(t in (e, UNNEEDED) for t, e in zip(lazy, exact, strict=True))
+            assert tree.walk(lazy.__getitem__) == tree.walk(exact.__getitem__)
+            unneeded += lazy.count(UNNEEDED)
+    assert unneeded > 0  # the case this is about happened

@@ -24,6 +24,7 @@ transformers (``ModelRunner``).
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,7 @@ from transformers.activations import SiLUActivation
 
 from reader_spec.engine import kernels
 from reader_spec.engine.attention import PackedLayout, additive, packed
-from reader_spec.engine.greedy_head import GreedyHead
+from reader_spec.engine.greedy_head import GreedyHead, tree_rows
 from reader_spec.engine.kv_cache import RaggedKVCache, RaggedLayer
 from reader_spec.engine.layers import (
     PackedLayer,
@@ -46,6 +47,7 @@ from reader_spec.engine.layers import (
 from reader_spec.engine.memory import PageArena
 from reader_spec.engine.rotary import RotaryTables, Rotation
 from reader_spec.engine.timing import best_times
+from reader_spec.engine.tree import DraftTree
 from reader_spec.engine.weights import ROW_BUCKETS, PackedLinear, pack_linears, packed_bytes, time_together
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -295,10 +297,11 @@ class FastDecoder:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
-    def greedy_tokens(self, normed: torch.Tensor) -> torch.Tensor:
-        """``logits(normed).argmax(-1)``, through the :class:`GreedyHead` where there is one."""
+    def greedy_tokens(self, normed: torch.Tensor, trees: Sequence[DraftTree] | None = None) -> torch.Tensor:
+        """``logits(normed).argmax(-1)``, through the :class:`GreedyHead` where there is one (which,
+        given the rows' ``trees``, leaves the rows greedy acceptance cannot reach ``UNNEEDED``)."""
         if self.greedy_head is not None:
-            return self.greedy_head(normed)
+            return self.greedy_head(normed, None if trees is None else tree_rows(trees))
         return self.logits(normed).argmax(-1)
 
     def _add_norm(

@@ -8,10 +8,12 @@ quantized to about 15 bits (two int8 levels, the second quantizing what the firs
 AVX-512 VNNI's byte products; one int16 level elsewhere, for AVX2's 16-bit products), and integer dot
 products run at twice to four times float32's rate and are exact in any order. Float32 logits are
 then computed only for the columns whose bound says they can still be the largest (a handful on real
-text), by the same compiled tile as the full product. The token is the full
-product's argmax bit for bit, ties included (the first of equal maxima, as ``torch.argmax``), so
-greedy outputs do not change. Where the whole float32 layer is faster (timed once per row bucket, as
-the kernels are), it runs instead.
+text), by the same compiled tile as the full product. The token is the full product's argmax bit for
+bit, ties included (the first of equal maxima, as ``torch.argmax``), so greedy outputs do not change.
+In a verification pass only the rows greedy acceptance can reach need a token (a root, and a draft
+whose token is the one found at its parent); the rows after a rejected draft, where the model is least
+sure, are left unresolved. Where the whole float32 layer is faster (timed once per row bucket, as the
+kernels are), it runs instead.
 
 The bound. For column j with float32 weights ``W_j``, int8 copy ``q_j`` and scale ``s_j`` (quantization
 error ``e_j = W_j - s_j q_j``), and a hidden state ``h`` of K features with integer approximation ``g``
@@ -26,14 +28,23 @@ the rounding of the comparison itself, rounded up to float32; the kernel adds 5%
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from reader_spec.engine import kernels
 from reader_spec.engine.layouts import BLOCK, INT8_GROUP, quantize_int8, to_groups
 from reader_spec.engine.memory import PageArena
 from reader_spec.engine.timing import fastest
+from reader_spec.engine.tree import DraftTree
 from reader_spec.engine.weights import ROW_BUCKETS, PackedLinear
 
+Trees = tuple[torch.Tensor, torch.Tensor]
+"""A pass's draft trees as the greedy head reads them: each row's parent row (-1 for a root) and token."""
+UNBOUNDED = -1
+"""The kernel's token for a row that is not finite (the full product then decides it)."""
+UNNEEDED = -2
+"""The token of a row that greedy acceptance cannot reach (below a rejected draft)."""
 UNIT_ROUNDOFF = 2.0**-24
 CHUNK_BLOCKS = 128
 """Blocks of 32 columns quantized at a time: a few MB of temporaries, never a whole float copy."""
@@ -69,20 +80,27 @@ class GreedyHead:
         """Whether this head can run it: float32 in column blocks, no bias, the compiled kernels built."""
         return head.blocked and head.scales is None and head.bias is None and kernels.available()
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The argmax token of each row of ``hidden`` (``[rows, in]``): ``[rows]``, long."""
+    def __call__(self, hidden: torch.Tensor, trees: Trees | None = None) -> torch.Tensor:
+        """The argmax token of each row of ``hidden`` (``[rows, in]``): ``[rows]``, long.
+
+        With ``trees`` (each row's parent row, -1 for a root, and its own token), a row's token is
+        found only where greedy acceptance can read it: at a root, or at a draft whose token is the
+        one found at its parent. The rows after a rejected draft get ``UNNEEDED``: they are where the
+        model is least sure, and each would send tens of column blocks through the exact product."""
         if not self.wins(hidden.shape[0]):
             return self.head(hidden).argmax(-1)
-        tokens = self._bounded(hidden)
-        unbounded = tokens < 0  # a row with inf or NaN: its bound says nothing, take the full product
+        tokens = self._bounded(hidden, trees)
+        unbounded = tokens == UNBOUNDED  # inf or NaN in a row: its bound says nothing, take the full product
         if unbounded.any():
             tokens[unbounded] = self.head(hidden[unbounded]).argmax(-1)
         return tokens
 
-    def _bounded(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _bounded(self, hidden: torch.Tensor, trees: Trees | None = None) -> torch.Tensor:
         head = self.head
+        parents, drafted = trees if trees is not None else (None, None)
+        tables = (self.quantized, self.scales, self.slack, self.norms)
         return torch.ops.reader_spec.greedy_tokens(
-            hidden, head.weight, self.quantized, self.scales, self.slack, self.norms, head.out_features
+            hidden, head.weight, *tables, head.out_features, parents, drafted
         )
 
     def wins(self, rows: int) -> bool:
@@ -118,3 +136,14 @@ def _slack(
 def _rounded_up(values: torch.Tensor) -> torch.Tensor:
     rounded = values.float()
     return torch.where(rounded.double() < values, torch.nextafter(rounded, torch.tensor(torch.inf)), rounded)
+
+
+def tree_rows(trees: Sequence[DraftTree]) -> Trees:
+    """The rows of a pass's trees, back to back, as :class:`GreedyHead` reads them."""
+    parents: list[int] = []
+    tokens: list[int] = []
+    for tree in trees:
+        start = len(parents)
+        parents += [parent + start if parent >= 0 else -1 for parent in tree.parents]
+        tokens += tree.tokens
+    return torch.tensor(parents), torch.tensor(tokens)

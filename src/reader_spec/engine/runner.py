@@ -178,7 +178,8 @@ class ModelRunner:
         tokens = [tree.tokens for tree in trees]
         flat = [length + depth for length, tree in zip(lengths, trees, strict=True) for depth in tree.depths]
         positions = torch.tensor(flat).split([len(tree) for tree in trees])
-        return self.extend(rows, tokens, positions, [t.ancestor_mask() for t in trees], greedy=greedy)
+        masks = [t.ancestor_mask() for t in trees]
+        return self.extend(rows, tokens, positions, masks, greedy=greedy, trees=trees)
 
     @torch.inference_mode()
     def extend(
@@ -189,10 +190,12 @@ class ModelRunner:
         local_masks: Sequence[torch.Tensor],
         last_only: bool = False,
         greedy: Sequence[bool] | None = None,
+        trees: Sequence[DraftTree] | None = None,
     ) -> list[torch.Tensor]:
         """One packed pass of new tokens per cache row (``rows`` ascending), written past each row's
         committed length; returns each row's logits (its last token's only with ``last_only``), or
-        its argmax tokens where ``greedy[i]``.
+        its argmax tokens where ``greedy[i]``. Given the ``trees`` the tokens are, a greedy row's
+        token below a rejected draft may be left ``UNNEEDED`` (:class:`GreedyHead`).
 
         ``local_masks[i]`` is ``[new, earlier + new]``: what each new token sees among the row's last
         ``earlier`` committed tokens and the new ones (:func:`visibility`); everything before is context.
@@ -202,25 +205,32 @@ class ModelRunner:
         keep = torch.tensor(list(itertools.accumulate(widths))) - 1 if last_only else None
         states = self._forward(rows, input_ids, torch.cat(list(positions)), local_masks, keep)
         kept = [1] * len(rows) if last_only else widths
-        return self._outputs(states, kept, list(greedy) if greedy is not None else [False] * len(rows))
+        greedy = list(greedy) if greedy is not None else [False] * len(rows)
+        return self._outputs(states, kept, greedy, None if last_only else trees)
 
-    def _outputs(self, states: torch.Tensor, kept: list[int], greedy: list[bool]) -> list[torch.Tensor]:
+    def _outputs(
+        self, states: torch.Tensor, kept: list[int], greedy: list[bool], trees: Sequence[DraftTree] | None
+    ) -> list[torch.Tensor]:
         """Each row's logits, or its argmax tokens where ``greedy``: ``states`` are the fast decoder's
         final hidden states (its output layer runs here, once for each kind of row) or transformers'
         logits."""
-        if self.decoder is not None:
-            heads = {False: lambda s: self.decoder.logits(s).float(), True: self.decoder.greedy_tokens}
-        else:
-            heads = {False: lambda s: s, True: lambda s: s.argmax(-1)}
         parts = states.split(kept)
         outputs: dict[int, torch.Tensor] = {}
-        for flag, head in heads.items():
+        for flag in (False, True):
             chosen = [i for i, wanted in enumerate(greedy) if wanted == flag]
-            if chosen:
-                results = head(torch.cat([parts[i] for i in chosen]))
-                if flag:  # tokens go to the host, where acceptance walks them: one copy for all rows
-                    results = results.cpu()
-                outputs.update(zip(chosen, results.split([kept[i] for i in chosen]), strict=True))
+            if not chosen:
+                continue
+            states = torch.cat([parts[i] for i in chosen])
+            if not flag:
+                results = self.decoder.logits(states).float() if self.decoder is not None else states
+            elif self.decoder is not None:
+                chosen_trees = None if trees is None else [trees[i] for i in chosen]
+                results = self.decoder.greedy_tokens(states, chosen_trees)
+            else:
+                results = states.argmax(-1)
+            if flag:  # tokens go to the host, where acceptance walks them: one copy for all rows
+                results = results.cpu()
+            outputs.update(zip(chosen, results.split([kept[i] for i in chosen]), strict=True))
         return [outputs[i] for i in range(len(parts))]
 
     @torch.inference_mode()

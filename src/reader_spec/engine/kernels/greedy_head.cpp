@@ -12,6 +12,12 @@
 // that floor can win; the blocks that hold them are multiplied by the full product's own tile, so
 // their logits are bitwise the full product's. A row that is not finite gets -1 (the caller takes the
 // full product's argmax).
+//
+// A row whose bound leaves one column needs no exact logit at all. Given the pass's draft trees (each
+// row's parent row and token), a row's exact logits are computed only where its token can matter:
+// at a root, or below a row whose token is its own (greedy acceptance walks only that path). The
+// rows after a rejected draft are where the model is least sure, each sending tens of blocks through
+// the exact product; they get -2, and rows are resolved in rounds down the trees.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -75,9 +81,31 @@ void check(const at::Tensor& t, at::ScalarType type, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == type && t.is_contiguous(), "greedy_tokens: ", what);
 }
 
+constexpr int64_t kUnbounded = -1;  // not finite: the caller takes the full product
+constexpr int64_t kUnneeded = -2;   // below a rejected draft: no one reads it
+constexpr int64_t kPending = -3;
+
+// Whether row r's token can be read by greedy acceptance, given the tokens found so far: 1 yes, 0 no,
+// -1 not known until an ancestor's token is.
+int needed(int64_t r, const int64_t* parents, const int64_t* drafted, const int64_t* tokens, const int8_t* need) {
+  if (parents == nullptr || parents[r] < 0) return 1;
+  const int64_t parent = parents[r];
+  if (need[parent] != 1) return need[parent];
+  if (tokens[parent] == kPending) return -1;
+  return tokens[parent] == kUnbounded || tokens[parent] == drafted[r];
+}
+
+// One candidate block of one row: its best candidate, the first of equal maxima.
+struct BlockWork {
+  int64_t row, first, end;  // candidates [first, end) of the row, all in one block
+  int64_t best;
+  float best_logit;
+};
+
 at::Tensor greedy_tokens(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& weight_int8,
                          const at::Tensor& scales, const at::Tensor& slack, const at::Tensor& col_norm,
-                         int64_t out_features) {
+                         int64_t out_features, const c10::optional<at::Tensor>& parents,
+                         const c10::optional<at::Tensor>& drafted) {
   check(weight, at::kFloat, "weight must be a contiguous float32 [blocks, K, 32]");
   TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kBlock, "greedy_tokens: weight must be [blocks, K, 32]");
   const int64_t blocks = weight.size(0), k_size = weight.size(1), groups = (k_size + kGroup - 1) / kGroup;
@@ -94,6 +122,19 @@ at::Tensor greedy_tokens(const at::Tensor& hidden, const at::Tensor& weight, con
               "greedy_tokens: hidden must be float32 [..., K]");
   const at::Tensor x = hidden.reshape({-1, k_size}).contiguous();
   const int64_t rows = x.size(0);
+  TORCH_CHECK(parents.has_value() == drafted.has_value(), "greedy_tokens: give both parents and drafted tokens");
+  const int64_t* parent_data = nullptr;
+  const int64_t* drafted_data = nullptr;
+  if (parents.has_value()) {
+    check(*parents, at::kLong, "parents must be contiguous int64");
+    check(*drafted, at::kLong, "drafted tokens must be contiguous int64");
+    TORCH_CHECK(parents->numel() == rows && drafted->numel() == rows, "greedy_tokens: one parent and token per row");
+    parent_data = parents->data_ptr<int64_t>();
+    drafted_data = drafted->data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      TORCH_CHECK(parent_data[r] >= -1 && parent_data[r] < r, "greedy_tokens: a row's parent must come before it");
+    }
+  }
   // Approximate logits of every row (padding columns included), blocks of columns in parallel.
   std::vector<float> approx(rows * blocks * kBlock);
   const std::vector<IntegerRow> quantized =
@@ -101,41 +142,69 @@ at::Tensor greedy_tokens(const at::Tensor& hidden, const at::Tensor& weight, con
                                    scales.data_ptr<float>(), nullptr, approx.data(), blocks * kBlock, blocks * kBlock,
                                    true);
 
-  // Per row: the columns that can still be the largest, and their exact logits.
+  // Per row: the columns that can still be the largest; one of them is the token.
   at::Tensor tokens = at::empty({rows}, x.options().dtype(at::kLong));
   int64_t* token_data = tokens.data_ptr<int64_t>();
-  const float* w_data = weight.data_ptr<float>();
-  const float* slack_data = slack.data_ptr<float>();
-  const float* norm_data = col_norm.data_ptr<float>();
-  const int64_t block_stride = k_size * kBlock;
+  std::vector<std::vector<int64_t>> candidates(rows);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> candidates;
     for (int64_t r = begin; r < end; ++r) {
-      const IntegerRow& row = quantized[r];
-      if (!row.finite) {
-        token_data[r] = -1;
+      if (!quantized[r].finite) {
+        token_data[r] = kUnbounded;
         continue;
       }
-      const float* a = approx.data() + r * blocks * kBlock;
-      candidates_of(a, slack_data, norm_data, out_features, row.norm, row.error, candidates);
-      // Each candidate's block through the full product's own tile: its logits are bitwise the full
-      // product's (read in order, a block costs less than gathering one column of it).
-      int64_t best = -1, block = -1;
-      float best_logit = 0, logits[kBlock];
-      for (const int64_t j : candidates) {
-        if (j / kBlock != block) {
-          block = j / kBlock;
-          reader_spec::blocked_product(x.data_ptr<float>() + r * k_size, 1, w_data + block * block_stride, k_size,
-                                       nullptr, logits, std::min(kBlock, out_features - block * kBlock), false);
-        }
-        if (best < 0 || logits[j % kBlock] > best_logit) {
-          best = j;
-          best_logit = logits[j % kBlock];
-        }
-      }
-      token_data[r] = best;
+      candidates_of(approx.data() + r * blocks * kBlock, slack.data_ptr<float>(), col_norm.data_ptr<float>(),
+                    out_features, quantized[r].norm, quantized[r].error, candidates[r]);
+      token_data[r] = candidates[r].size() == 1 ? candidates[r][0] : kPending;
     }
   });
+
+  // Rows with several candidates, in rounds down the trees: each round takes every row now known to
+  // be read and sends its candidates' blocks through the full product's own tile (its logits are
+  // bitwise the full product's; read in order, a block costs less than gathering one column of it).
+  const float* w_data = weight.data_ptr<float>();
+  const int64_t block_stride = k_size * kBlock;
+  std::vector<int8_t> need(rows);
+  std::vector<BlockWork> work;
+  while (true) {
+    work.clear();
+    for (int64_t r = 0; r < rows; ++r) {
+      need[r] = needed(r, parent_data, drafted_data, token_data, need.data());
+      if (need[r] != 1 || token_data[r] != kPending) continue;
+      const std::vector<int64_t>& row = candidates[r];
+      const int64_t count = row.size();
+      for (int64_t first = 0, end = 1; first < count; first = end++) {
+        while (end < count && row[end] / kBlock == row[first] / kBlock) ++end;
+        work.push_back({r, first, end, -1, 0});
+      }
+    }
+    if (work.empty()) break;
+    at::parallel_for(0, static_cast<int64_t>(work.size()), 4, [&](int64_t begin, int64_t end) {
+      float logits[kBlock];
+      for (int64_t i = begin; i < end; ++i) {
+        BlockWork& item = work[i];
+        const int64_t* row = candidates[item.row].data();
+        const int64_t block = row[item.first] / kBlock;
+        reader_spec::blocked_product(x.data_ptr<float>() + item.row * k_size, 1, w_data + block * block_stride, k_size,
+                                     nullptr, logits, std::min(kBlock, out_features - block * kBlock), false);
+        for (int64_t c = item.first; c < item.end; ++c) {
+          if (item.best < 0 || logits[row[c] % kBlock] > item.best_logit) {
+            item.best = row[c];
+            item.best_logit = logits[row[c] % kBlock];
+          }
+        }
+      }
+    });
+    for (size_t i = 0; i < work.size();) {  // a row's blocks in column order: the first of equal maxima
+      BlockWork best = work[i];
+      for (++i; i < work.size() && work[i].row == best.row; ++i) {
+        if (work[i].best_logit > best.best_logit) best = work[i];
+      }
+      token_data[best.row] = best.best;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (token_data[r] == kPending) token_data[r] = kUnneeded;
+  }
   return tokens;
 }
 
@@ -144,7 +213,7 @@ at::Tensor greedy_tokens(const at::Tensor& hidden, const at::Tensor& weight, con
 TORCH_LIBRARY_FRAGMENT(reader_spec, m) {
   m.def(
       "greedy_tokens(Tensor hidden, Tensor weight, Tensor weight_int8, Tensor scales, Tensor slack, Tensor col_norm, "
-      "int out_features) -> Tensor");
+      "int out_features, Tensor? parents=None, Tensor? drafted=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(reader_spec, CPU, m) { m.impl("greedy_tokens", &greedy_tokens); }
