@@ -10,7 +10,9 @@ import pytest
 import reader_spec.bench.runner as bench
 from reader_spec.bench.methods import METHODS, BenchSetup, Generation, MethodSpec
 from reader_spec.bench.results import (
+    BatchResult,
     PromptResult,
+    batch_speedup,
     pooled_mean_accepted,
     question_speed,
     source_shares,
@@ -118,6 +120,33 @@ def test_speedup_averages_per_question_speeds_like_spec_bench():
     assert rows["b", "m"].identical == 0.5 and rows["a", "m"].identical == 1.0
     assert rows["overall", "m"].identical == pytest.approx(2 / 3)
     assert rows["overall", "m"].questions == 2 and rows["overall", "m"].prompts == 3
+
+
+def test_batch_speedup_pairs_each_repeat_with_ar_run_next_to_it():
+    def batch(method, run_seconds, new_tokens=100):
+        seconds = sorted(run_seconds)[len(run_seconds) // 2]
+        return BatchResult(
+            method=method,
+            batch_size=8,
+            seconds=seconds,
+            requests=4,
+            identical=4,
+            peak_rss_mib=1.0,
+            steps=new_tokens,
+            new_tokens=new_tokens,
+            drafted=0,
+            run_seconds=tuple(run_seconds),
+        )
+
+    # The host ran fast for the first pair, slow for the last two: each run 10% under ar's beside it.
+    ar, method = batch("ar", [10.0, 20.0, 20.0]), batch("m", [9.0, 18.0, 18.0])
+    assert batch_speedup(method, [ar, method]) == pytest.approx(10 / 9)
+    # The median runs alone (20 s and 18 s) agree here; with the drift inside one pair they would not.
+    ar, method = batch("ar", [10.0, 20.0, 20.0]), batch("m", [9.0, 9.5, 22.0])
+    assert batch_speedup(method, [ar, method]) == pytest.approx(10 / 9)  # ratios 1.11, 2.11, 0.91
+    assert method.tokens_per_second / ar.tokens_per_second == pytest.approx(20 / 9.5)
+    single = batch("m", [5.0], new_tokens=50)  # one run: throughput over ar's
+    assert batch_speedup(single, [batch("ar", [10.0])]) == pytest.approx(1.0)
 
 
 def test_time_shares_add_up():

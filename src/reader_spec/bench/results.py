@@ -63,6 +63,8 @@ class BatchResult(DraftCounts):
     requests: int
     identical: int
     peak_rss_mib: float
+    run_seconds: tuple[float, ...] = ()
+    """Each repeat's whole-run seconds, in the order the repeats ran (``seconds`` is their median's)."""
 
     @property
     def tokens_per_second(self) -> float:
@@ -161,9 +163,17 @@ def total_throughput(results: Iterable[PromptResult], method: str) -> float:
 
 
 def batch_speedup(result: BatchResult, batches: Sequence[BatchResult]) -> float:
-    """Throughput over ``ar``'s at the same batch size."""
+    """Throughput over ``ar``'s at the same batch size: with repeats, the median over repeats of each
+    repeat's ratio to ``ar``'s run just before it. A shared host's speed drifts by a fifth within
+    minutes; a ratio of runs minutes apart (each method's median run) carries that drift, a ratio of
+    neighbouring runs much less of it."""
     base = next((b for b in batches if b.method == REFERENCE and b.batch_size == result.batch_size), None)
-    return result.tokens_per_second / base.tokens_per_second if base and base.tokens_per_second else 0.0
+    if base is None or not base.tokens_per_second:
+        return 0.0
+    if len(result.run_seconds) > 1 and len(result.run_seconds) == len(base.run_seconds):
+        ratios = [b / r for b, r in zip(base.run_seconds, result.run_seconds, strict=True) if r]
+        return statistics.median(ratios) * result.new_tokens / base.new_tokens if ratios else 0.0
+    return result.tokens_per_second / base.tokens_per_second
 
 
 def markdown(
@@ -289,7 +299,8 @@ def _batch_table(batches: Sequence[BatchResult], sizes: list[int], settings: dic
 def _legend() -> list[str]:
     return [
         "speedup: tokens/s over ar's, tokens/s per question (both turns) averaged over questions "
-        "(Spec-Bench); in batches, whole-run throughput over ar's at the same batch size. "
+        "(Spec-Bench); in batches, whole-run throughput over ar's at the same batch size (with repeats, the "
+        "median of each repeat's ratio to ar's run just before it; tokens/s is the median run's). "
         "tokens/step: tokens emitted per target-model step, bonus included (plain decoding 1.00). "
         "drafted/step: draft tokens verified per step and sequence. identical to ar: outputs equal "
         "token for token to ar's on the same prompt. verify: the target model's forward passes, prefill "

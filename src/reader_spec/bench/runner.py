@@ -236,7 +236,8 @@ def _batched(
     bar: tqdm,
 ) -> list[BatchResult]:
     """Every method over all prompts at one batch size; with repeats the methods take turns (the
-    machine's drift between runs hits them alike) and each method's median run counts."""
+    machine's drift between runs hits them alike), each method's median run gives its figures and
+    every run's seconds are kept (its speedup pairs each run with ``ar``'s: ``batch_speedup``)."""
     runs: dict[str, list[Run]] = {name: [] for name in batchable}
     for _ in range(repeats):
         for name in batchable:
@@ -260,6 +261,7 @@ def _batched(
                 drafted=sum(o.drafted for o in outputs),
                 identical=sum(a == b for a, b in zip(tokens, reference, strict=True)),
                 peak_rss_mib=peak,
+                run_seconds=tuple(r.seconds for r in runs[name]),
             )
         )
     return results
