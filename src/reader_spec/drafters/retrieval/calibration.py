@@ -11,6 +11,7 @@ The measurements behind this are in ``docs/architecture.md`` (Drafters).
 
 from __future__ import annotations
 
+import functools
 from bisect import bisect_right
 
 from reader_spec.drafters.calibration import ProbabilityCalibrator
@@ -27,8 +28,11 @@ def source_calibrator() -> ProbabilityCalibrator:
     return ProbabilityCalibrator(len(MATCH_BOUNDS) * AGREEMENT_LEVELS, PRIOR_STRENGTH)
 
 
-def match_contexts(match_length: int, depth: int) -> list[int]:
+@functools.cache
+def match_contexts(match_length: int, depth: int) -> tuple[int, ...]:
     """Per depth ``d`` (1 to ``depth``), the first context of the source's edges into depth ``d``,
     whose match with the text is then ``match_length + d - 1`` tokens long; the agreement level
-    (0 for one source, up to ``AGREEMENT_LEVELS - 1``) is added where the sources are merged."""
-    return [max(bisect_right(MATCH_BOUNDS, match_length + d) - 1, 0) * AGREEMENT_LEVELS for d in range(depth)]
+    (0 for one source, up to ``AGREEMENT_LEVELS - 1``) is added where the sources are merged.
+    Cached: every source of every request asks each step (a third of proposing's time at batch 32)."""
+    buckets = (max(bisect_right(MATCH_BOUNDS, match_length + d) - 1, 0) for d in range(depth))
+    return tuple(bucket * AGREEMENT_LEVELS for bucket in buckets)
