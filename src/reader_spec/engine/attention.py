@@ -197,22 +197,22 @@ def _plain_sdpa(module, query, key, value, mask, **kwargs) -> tuple[torch.Tensor
 def visibility(
     lengths: torch.Tensor,
     local_masks: Sequence[torch.Tensor],
-    positions: torch.Tensor,
     kv_length: int,
     sliding_window: int | None = None,
+    positions: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Which keys each new token sees, ``(batch, 1, width, kv_length)`` booleans per layer type.
 
     New tokens are written after each row's context. ``local_masks[b]`` is ``[new, earlier + new]``:
     token i of row b sees what its row ``i`` marks among the row's last ``earlier`` cached tokens and
     its new tokens, and the whole context before those (``earlier`` is 0 for a verified tree; a draft
-    model growing a tree level by level masks the levels it cached before). ``positions`` are the new
-    tokens' position ids, padded to the widest tree. Rows past a tree's own tokens are padding: an
-    attention group that pads its trees computes them and discards the result; they see key 0, so no
-    row is empty. Under a sliding window, masked earlier tokens count at their cache index (drafts
+    model growing a tree level by level masks the levels it cached before). ``positions``, which only
+    a ``sliding_window`` needs, are the new tokens' position ids, padded to the widest tree. Rows past
+    a tree's own tokens are padding: an attention group that pads its trees computes them and
+    discards the result; they see key 0, so no row is empty. Under a sliding window, masked earlier tokens count at their cache index (drafts
     only: verified trees have none).
     """
-    width = positions.shape[1]
+    width = max(local.shape[0] for local in local_masks)
     widths = torch.tensor([local.shape[0] for local in local_masks])
     earlier = torch.tensor([local.shape[1] - local.shape[0] for local in local_masks])
     start = lengths - earlier  # the first key a local mask covers
@@ -224,6 +224,8 @@ def visibility(
     allowed[..., 0] |= ~real  # padding rows see key 0 only, so that none is empty
     masks = {"full_attention": allowed[:, None]}
     if sliding_window is not None:
+        if positions is None:
+            raise ValueError("a sliding window needs the new tokens' positions")
         new = keys[None] - lengths[:, None]  # key index relative to the new tokens
         is_new = (new >= 0) & (new < width)
         key_positions = torch.where(is_new, positions.gather(1, new.clamp(0, width - 1)), keys[None])

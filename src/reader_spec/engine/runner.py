@@ -177,7 +177,7 @@ class ModelRunner:
         lengths = self.cache.lengths[rows].tolist()
         tokens = [tree.tokens for tree in trees]
         flat = [length + depth for length, tree in zip(lengths, trees, strict=True) for depth in tree.depths]
-        positions = torch.tensor(flat).split([len(tree) for tree in trees])
+        positions = torch.tensor(flat)
         masks = [t.ancestor_mask() for t in trees]
         return self.extend(rows, tokens, positions, masks, greedy=greedy, trees=trees)
 
@@ -186,7 +186,7 @@ class ModelRunner:
         self,
         rows: list[int],
         tokens: Sequence[Sequence[int]],
-        positions: Sequence[torch.Tensor],
+        positions: torch.Tensor | Sequence[torch.Tensor],
         local_masks: Sequence[torch.Tensor],
         last_only: bool = False,
         greedy: Sequence[bool] | None = None,
@@ -197,13 +197,15 @@ class ModelRunner:
         its argmax tokens where ``greedy[i]``. Given the ``trees`` the tokens are, a greedy row's
         token below a rejected draft may be left ``UNNEEDED`` (:class:`GreedyHead`).
 
-        ``local_masks[i]`` is ``[new, earlier + new]``: what each new token sees among the row's last
-        ``earlier`` committed tokens and the new ones (:func:`visibility`); everything before is context.
+        ``positions``: each row's position ids, or all rows' back to back. ``local_masks[i]`` is ``[new,
+        earlier + new]``: what each new token sees among the row's last ``earlier`` committed tokens and
+        the new ones (:func:`visibility`); everything before is context.
         """
         widths = [len(t) for t in tokens]
         input_ids = torch.tensor([token for row_tokens in tokens for token in row_tokens])
         keep = torch.tensor(list(itertools.accumulate(widths))) - 1 if last_only else None
-        states = self._forward(rows, input_ids, torch.cat(list(positions)), local_masks, keep)
+        flat_positions = positions if isinstance(positions, torch.Tensor) else torch.cat(list(positions))
+        states = self._forward(rows, input_ids, flat_positions, local_masks, keep)
         kept = [1] * len(rows) if last_only else widths
         greedy = list(greedy) if greedy is not None else [False] * len(rows)
         return self._outputs(states, kept, greedy, None if last_only else trees)
@@ -214,24 +216,28 @@ class ModelRunner:
         """Each row's logits, or its argmax tokens where ``greedy``: ``states`` are the fast decoder's
         final hidden states (its output layer runs here, once for each kind of row) or transformers'
         logits."""
-        parts = states.split(kept)
         outputs: dict[int, torch.Tensor] = {}
+        parts = None
         for flag in (False, True):
             chosen = [i for i, wanted in enumerate(greedy) if wanted == flag]
             if not chosen:
                 continue
-            states = torch.cat([parts[i] for i in chosen])
+            if len(chosen) == len(kept):  # rows of one kind, the usual case: no split (each op costs
+                rows = states  # tens of microseconds in a pass, after its weights have swept the caches)
+            else:
+                parts = parts or states.split(kept)
+                rows = torch.cat([parts[i] for i in chosen])
             if not flag:
-                results = self.decoder.logits(states).float() if self.decoder is not None else states
+                results = self.decoder.logits(rows).float() if self.decoder is not None else rows
             elif self.decoder is not None:
                 chosen_trees = None if trees is None else [trees[i] for i in chosen]
-                results = self.decoder.greedy_tokens(states, chosen_trees)
+                results = self.decoder.greedy_tokens(rows, chosen_trees)
             else:
-                results = states.argmax(-1)
+                results = rows.argmax(-1)
             if flag:  # tokens go to the host, where acceptance walks them: one copy for all rows
                 results = results.cpu()
             outputs.update(zip(chosen, results.split([kept[i] for i in chosen]), strict=True))
-        return [outputs[i] for i in range(len(parts))]
+        return [outputs[i] for i in range(len(kept))]
 
     @torch.inference_mode()
     def prefill(self, row: int, tokens: Sequence[int], reused: int = 0) -> None:
@@ -257,9 +263,11 @@ class ModelRunner:
         widths = [local.shape[0] for local in local_masks]
         lengths = self.cache.lengths[rows]
         kv_length = self.cache.set_window(rows, widths)
-        padded_positions = lengths[:, None] + torch.arange(max(widths))
-        padded_positions[torch.arange(max(widths))[None] < torch.tensor(widths)[:, None]] = positions
-        masks = visibility(lengths, local_masks, padded_positions, kv_length, self.sliding_window)
+        padded_positions = None
+        if self.sliding_window is not None:  # only a window needs the tokens' positions
+            padded_positions = lengths[:, None] + torch.arange(max(widths))
+            padded_positions[torch.arange(max(widths))[None] < torch.tensor(widths)[:, None]] = positions
+        masks = visibility(lengths, local_masks, kv_length, self.sliding_window, padded_positions)
         layout = None
         if len(widths) > 1 and (self.decoder is None or not self.decoder.attends_compiled(len(input_ids))):
             layout = pack(widths, lengths.tolist(), rows, self.attention_call_cost, self.device)
