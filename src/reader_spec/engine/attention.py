@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -209,28 +210,32 @@ def visibility(
     model growing a tree level by level masks the levels it cached before). ``positions``, which only
     a ``sliding_window`` needs, are the new tokens' position ids, padded to the widest tree. Rows past
     a tree's own tokens are padding: an attention group that pads its trees computes them and
-    discards the result; they see key 0, so no row is empty. Under a sliding window, masked earlier tokens count at their cache index (drafts
-    only: verified trees have none).
+    discards the result; they see key 0, so no row is empty. Under a sliding window, masked earlier
+    tokens count at their cache index (drafts only: verified trees have none).
+
+    Built in numpy, on the host (the masks are host tensors): a pass's bookkeeping runs after its
+    weights have swept the caches, where each PyTorch op costs 15-60 us, a numpy one a few
+    (docs/runner.md, "Session 45").
     """
     width = max(local.shape[0] for local in local_masks)
-    widths = torch.tensor([local.shape[0] for local in local_masks])
-    earlier = torch.tensor([local.shape[1] - local.shape[0] for local in local_masks])
-    start = lengths - earlier  # the first key a local mask covers
-    keys = torch.arange(kv_length)
-    real = torch.arange(width)[None] < widths[:, None]  # [batch, width]: not padding
-    allowed = (keys < start[:, None, None]) & real[..., None]  # the context before the local masks
-    for b, (first, tree) in enumerate(zip(start.tolist(), local_masks, strict=True)):
-        allowed[b, : tree.shape[0], first : first + tree.shape[1]] = tree
-    allowed[..., 0] |= ~real  # padding rows see key 0 only, so that none is empty
-    masks = {"full_attention": allowed[:, None]}
+    allowed = np.zeros((len(local_masks), width, kv_length), dtype=bool)
+    for b, (length, local) in enumerate(zip(lengths.tolist(), local_masks, strict=True)):
+        new, seen = local.shape
+        first = length - (seen - new)  # the first key the local mask covers: all before it is context
+        allowed[b, :new, :first] = True
+        allowed[b, :new, first : first + seen] = local.numpy()
+        allowed[b, new:, 0] = True  # padding rows see key 0 only, so that none is empty
+    full = torch.from_numpy(allowed)
+    masks = {"full_attention": full[:, None]}
     if sliding_window is not None:
         if positions is None:
             raise ValueError("a sliding window needs the new tokens' positions")
+        keys = torch.arange(kv_length)
         new = keys[None] - lengths[:, None]  # key index relative to the new tokens
         is_new = (new >= 0) & (new < width)
         key_positions = torch.where(is_new, positions.gather(1, new.clamp(0, width - 1)), keys[None])
         distance = positions[:, :, None] - key_positions[:, None, :]
-        masks["sliding_attention"] = (allowed & (distance < sliding_window))[:, None]
+        masks["sliding_attention"] = (full & (distance < sliding_window))[:, None]
     return masks
 
 

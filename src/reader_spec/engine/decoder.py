@@ -206,7 +206,8 @@ class FastDecoder:
         per row count: 30 layers' lookups cost 0.1 ms of a pass)."""
         kernels = self._kernels_by_tokens.get(tokens)
         if kernels is None:
-            kernels = self._kernels_by_tokens[tokens] = [k for layer in self.layers for k in layer.kernels_at(tokens)]
+            kernels = [kernel for layer in self.layers for kernel in layer.kernels_at(tokens)]
+            self._kernels_by_tokens[tokens] = kernels
         return kernels
 
     def _layers(
