@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from reader_spec.engine import kernels
 from reader_spec.engine.kv_cache import RaggedKVCache
+
+
+@pytest.fixture(params=["compiled", "indexed"])
+def moves(request, monkeypatch):
+    """Commits run both ways a cache moves entries: the compiled call on a CPU, indexed copies elsewhere."""
+    if request.param == "indexed":
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    elif not kernels.available():
+        pytest.fail("the compiled kernels must build on this machine (make builds them)")
+    return request.param
 
 
 def _filled_cache(num_layers: int, rows: int, capacity: int, lengths: list[int]) -> RaggedKVCache:
@@ -20,7 +32,7 @@ def _filled_cache(num_layers: int, rows: int, capacity: int, lengths: list[int])
     return cache
 
 
-def test_commit_rows_moves_each_rows_accepted_entries_into_place():
+def test_commit_rows_moves_each_rows_accepted_entries_into_place(moves):
     lengths = [5, 9, 3, 7]
     cache = _filled_cache(3, 4, 24, lengths)
     before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
@@ -40,7 +52,7 @@ def test_commit_rows_moves_each_rows_accepted_entries_into_place():
             assert torch.equal(layer.values[row, :, :end], expected_values[:, :end])
 
 
-def test_commit_of_one_row_leaves_the_others_alone():
+def test_commit_of_one_row_leaves_the_others_alone(moves):
     cache = _filled_cache(2, 3, 16, [4, 4, 4])
     before = [layer.keys.clone() for layer in cache.layers]
     cache.commit(1, [0, 3])
@@ -48,3 +60,23 @@ def test_commit_of_one_row_leaves_the_others_alone():
     for layer, keys in zip(cache.layers, before, strict=True):
         assert torch.equal(layer.keys[[0, 2]], keys[[0, 2]])
         assert torch.equal(layer.keys[1, :, 5], keys[1, :, 7])
+
+
+def test_compiled_moves_read_every_entry_before_writing_like_an_indexed_copy():
+    """Entries that trade places (never in a commit, whose entries only move down) end up swapped, as
+    an indexed copy leaves them; entries outside a buffer are refused before anything moves."""
+    if not kernels.available():
+        pytest.fail("the compiled kernels must build on this machine (make builds them)")
+    generator = torch.Generator().manual_seed(1)
+    buffers = [torch.randn(3, 2, 8, 5, generator=generator) for _ in range(4)]
+    expected = [buffer.clone() for buffer in buffers]
+    rows, destinations, sources = torch.tensor([2, 2, 0]), torch.tensor([1, 6, 3]), torch.tensor([6, 1, 0])
+    for buffer in expected:
+        buffer[rows, :, destinations] = buffer[rows, :, sources]
+    torch.ops.reader_spec.move_entries(buffers, rows, destinations, sources)
+    for buffer, wanted in zip(buffers, expected, strict=True):
+        assert torch.equal(buffer, wanted)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.reader_spec.move_entries(buffers, rows, destinations, torch.tensor([6, 1, 8]))
+    for buffer, wanted in zip(buffers, expected, strict=True):
+        assert torch.equal(buffer, wanted)

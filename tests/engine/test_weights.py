@@ -73,6 +73,16 @@ def test_a_packed_module_saves_and_looks_up_the_plain_matrix():
     assert torch.equal(state["weight"], weight) and torch.equal(state["bias"], bias)
     tokens = torch.tensor([0, 31, 32, 95, 7])
     assert torch.equal(packed.rows_of(tokens), weight[tokens])
+    assert torch.equal(packed.rows_of(tokens.view(1, 5)), weight[tokens][None])  # [batch, tokens] as well
+    assert torch.equal(packed.rows_of(tokens[:0]), weight[:0])
+
+
+def test_the_compiled_lookup_refuses_a_token_outside_the_matrix():
+    if not kernels.available():
+        pytest.fail("the compiled kernels must build on this machine (make builds them)")
+    packed, _ = pack_linears([linear(96, 40, bias=False, seed=3)])
+    with pytest.raises(RuntimeError, match="token 96 outside the 96 rows"):
+        packed.rows_of(torch.tensor([3, 96]))
 
 
 def test_other_dtypes_keep_the_plain_layout():

@@ -174,7 +174,7 @@ class ModelRunner:
         return self._verify(trees, list(rows), greedy)
 
     def _verify(self, trees: Sequence[DraftTree], rows: list[int], greedy: list[bool]) -> list[torch.Tensor]:
-        lengths = self.cache.lengths[rows].tolist()
+        lengths = self.cache.lengths_of(rows).tolist()
         tokens = [tree.tokens for tree in trees]
         flat = [length + depth for length, tree in zip(lengths, trees, strict=True) for depth in tree.depths]
         positions = torch.tensor(flat)
@@ -261,7 +261,7 @@ class ModelRunner:
         returns, for the tokens ``keep`` indexes (None: all), the fast decoder's final hidden states or
         transformers' logits (:meth:`_outputs` takes either)."""
         widths = [local.shape[0] for local in local_masks]
-        lengths = self.cache.lengths[rows]
+        lengths = torch.from_numpy(self.cache.lengths_of(rows))
         kv_length = self.cache.set_window(rows, widths)
         padded_positions = None
         if self.sliding_window is not None:  # only a window needs the tokens' positions

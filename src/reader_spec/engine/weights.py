@@ -233,8 +233,8 @@ class PackedLinear(nn.Module):
             return self._grouped_rows(tokens)
         if not self.blocked:
             rows = self.weight[tokens]
-        elif self.scales is None:
-            rows = self.weight[tokens // BLOCK, :, tokens % BLOCK]
+        elif self.scales is None:  # float32 blocks, on a CPU
+            rows = self._blocked_rows(tokens)
         else:  # a column's bytes are [groups, 4] of its block: k in order once flattened
             columns = self.weight.view(*self.weight.shape[:2], BLOCK, INT8_GROUP)
             grouped = columns[tokens // BLOCK, :, tokens % BLOCK]  # [..., groups, 4]
@@ -242,6 +242,13 @@ class PackedLinear(nn.Module):
         if self.scales is None:
             return rows
         return rows.to(self.scales.dtype) * self.scales[tokens].unsqueeze(-1)
+
+    def _blocked_rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows of a float32 blocked matrix: each a column of its block, gathered in one compiled loop
+        where the kernels are built (a third of the indexing's time in a pass, docs/runner.md)."""
+        if tokens.device.type == "cpu" and kernels.available():
+            return torch.ops.reader_spec.blocked_rows(self.weight, tokens)
+        return self.weight[tokens // BLOCK, :, tokens % BLOCK]
 
     def _grouped_matrix(self) -> torch.Tensor:
         """The whole matrix quantized per group, dequantized (``[out, in]`` in the model's dtype)."""

@@ -311,6 +311,33 @@ at::Tensor blocked_linear(const at::Tensor& input, const at::Tensor& weight, con
                                    });
 }
 
+// Rows of the plain matrix, W[token] (an embedding lookup in an output layer it is tied to): each is
+// a column of its block, one float per k, 128 bytes apart. One loop over k for all tokens reads them
+// as interleaved strided streams: a pass's lookup of 8 tokens took 100-115 us against 260-310 us
+// through PyTorch's indexing (division, remainder, an indexed gather: docs/runner.md, "Session 46").
+at::Tensor blocked_rows(const at::Tensor& weight, const at::Tensor& tokens) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 3 &&
+                  weight.size(2) == kBlock && weight.is_contiguous(),
+              "blocked_rows: the weight must be contiguous float32 [blocks, K, 32] on the CPU");
+  TORCH_CHECK(tokens.device().is_cpu() && tokens.scalar_type() == at::kLong, "blocked_rows: tokens must be CPU longs");
+  const at::Tensor flat = tokens.contiguous().view(-1);
+  const int64_t count = flat.numel(), k_size = weight.size(1), rows = weight.size(0) * kBlock;
+  const int64_t* token = flat.data_ptr<int64_t>();
+  std::vector<const float*> columns(count);
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(token[i] >= 0 && token[i] < rows, "blocked_rows: token ", token[i], " outside the ", rows, " rows");
+    columns[i] = weight.data_ptr<float>() + (token[i] / kBlock * k_size) * kBlock + token[i] % kBlock;
+  }
+  std::vector<int64_t> shape(tokens.sizes().begin(), tokens.sizes().end());
+  shape.push_back(k_size);
+  at::Tensor out = at::empty(shape, weight.options());
+  float* y = out.data_ptr<float>();
+  for (int64_t k = 0; k < k_size; ++k) {
+    for (int64_t i = 0; i < count; ++i) y[i * k_size + k] = columns[i][k * kBlock];
+  }
+  return out;
+}
+
 }  // namespace
 
 namespace reader_spec {
@@ -320,10 +347,14 @@ void blocked_product(const float* x, int64_t rows, const float* weight, int64_t 
   product(x, rows, weight, k_size, bias, y, out_features, ahead);
 }
 
-}  // namespace reader_spec
+}  // namespace
 
 TORCH_LIBRARY(reader_spec, m) {
   m.def("blocked_linear(Tensor input, Tensor weight, Tensor? bias, int out_features, bool ahead=False) -> Tensor");
+  m.def("blocked_rows(Tensor weight, Tensor tokens) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(reader_spec, CPU, m) { m.impl("blocked_linear", &blocked_linear); }
+TORCH_LIBRARY_IMPL(reader_spec, CPU, m) {
+  m.impl("blocked_linear", &blocked_linear);
+  m.impl("blocked_rows", &blocked_rows);
+}
