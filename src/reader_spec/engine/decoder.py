@@ -35,6 +35,7 @@ from transformers.activations import SiLUActivation
 from reader_spec.engine import kernels
 from reader_spec.engine.attention import PackedLayout, additive, packed
 from reader_spec.engine.greedy_head import GreedyHead, tree_rows
+from reader_spec.engine.host import longs
 from reader_spec.engine.kv_cache import RaggedKVCache, RaggedLayer
 from reader_spec.engine.layers import (
     PackedLayer,
@@ -120,6 +121,8 @@ class FastDecoder:
             pack_layer(layer, kind, self.head_dim, weights, self.arena)
             for layer, kind in zip(core.layers, layer_kinds(model.config), strict=True)
         ]
+        self.kinds = stack_kinds(self.layers)
+        """The layers' attention kinds, in the compiled stack's order."""
         time_together([self.lm_head, *(linear for layer in self.layers for linear in layer.linears)])
         self.attend = packed(self._attention)
         self.fused = _on_cpu(model) and kernels.available()
@@ -130,7 +133,7 @@ class FastDecoder:
         if self.native:
             for layer in self.layers:
                 layer.native = native_layer(layer)
-        self.stack = native_stack(self.layers)
+        self.stack = native_stack(self.layers, self.norm)
         """Every layer as one compiled call (``DecoderStack``), where each has one; else None."""
         self._kernels_by_tokens: dict[int, list[int]] = {}
         # Soft-capping can map distinct logits to one float and change which is first among equals.
@@ -144,7 +147,7 @@ class FastDecoder:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self.stack = native_stack(self.layers)
+        self.stack = native_stack(self.layers, self.norm)
 
     @torch.inference_mode()
     def __call__(
@@ -161,16 +164,15 @@ class FastDecoder:
         tokens of tree ``i``); ``keep`` indexes the tokens (None: all). :meth:`logits` or
         :meth:`greedy_tokens` then runs the output layer."""
         hidden = self.embed(input_ids)
-        kinds = {layer.kind for layer in self.layers}
-        rotary = {kind: self.rotary(hidden, positions, kind) for kind in kinds}
+        rotary = {kind: self.rotary(hidden, positions, kind) for kind in self.kinds}
         tokens = input_ids.shape[0]
         plan = self._plan(cache, widths, masks, hidden) if self.attends_compiled(tokens) else None
         if plan is None:
             masks = additive(masks, hidden.dtype)
         if plan is not None and self.native and self.stack is not None and self._native_runs(rotary):
-            hidden, residual = self._compiled_layers(hidden, rotary, cache, plan, tokens)
-        else:
-            hidden, residual = self._layers(hidden, rotary, cache, plan, masks, layout, tokens)
+            normed = self._compiled_layers(hidden, rotary, cache, plan, tokens)
+            return normed if keep is None else normed[keep]
+        hidden, residual = self._layers(hidden, rotary, cache, plan, masks, layout, tokens)
         if keep is not None:
             hidden, residual = hidden[keep], residual[keep]
         return self._add_norm(hidden, residual, self.norm)[1]
@@ -182,24 +184,22 @@ class FastDecoder:
         cache: RaggedKVCache,
         plan: _Plan,
         tokens: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every layer in one compiled call: the residual stream (``hidden``, added to in place) and
-        the last layer's MLP output, which the final norm adds."""
-        kinds = stack_kinds(self.layers)
-        residual = self.stack.forward(
+    ) -> torch.Tensor:
+        """Every layer and the final norm in one compiled call (``hidden``, the residual stream, added
+        to in place): the final hidden states of every token."""
+        return self.stack.forward(
             hidden,
-            [rotary[kind].cos for kind in kinds],
-            [rotary[kind].sin for kind in kinds],
+            [rotary[kind].cos for kind in self.kinds],
+            [rotary[kind].sin for kind in self.kinds],
             [layer_cache.keys for layer_cache in cache.layers],
             [layer_cache.values for layer_cache in cache.layers],
             plan.position,
-            [plan.visible[kind] for kind in kinds],
+            [plan.visible[kind] for kind in self.kinds],
             plan.token_tree,
             plan.token_offset,
             plan.token_row,
             self._stack_kernels(tokens),
         )
-        return hidden, residual
 
     def _stack_kernels(self, tokens: int) -> list[int]:
         """Every layer's kernel choices at ``tokens`` rows, as the compiled stack takes them (built once
@@ -220,8 +220,9 @@ class FastDecoder:
         layout: PackedLayout | None,
         tokens: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layers op by op (the same ops as the compiled ones where ``plan`` is given); returns
-        what :meth:`_compiled_layers` does."""
+        """The layers op by op (the same ops as the compiled ones where ``plan`` is given): the residual
+        stream (``hidden``, added to in place where the ops are compiled) and the last layer's MLP
+        output, which the final norm adds."""
         residual = None  # what the previous block adds to ``hidden``, added together with the next norm
         for index, layer in enumerate(self.layers):
             layer_cache = cache.layers[index]
@@ -263,8 +264,8 @@ class FastDecoder:
                 empty = hidden.new_empty(0, kv_heads, self.head_dim)
                 layer_cache.destination(empty, empty)
         _, token_row, position, _ = cache.window()
-        token_tree = torch.tensor([tree for tree, width in enumerate(widths) for _ in range(width)])
-        token_offset = torch.tensor([offset for width in widths for offset in range(width)])
+        token_tree = longs([tree for tree, width in enumerate(widths) for _ in range(width)])
+        token_offset = longs([offset for width in widths for offset in range(width)])
         visible = {kind: mask[:, 0].contiguous() for kind, mask in masks.items()}
         return _Plan(token_row, position, token_tree, token_offset, visible)
 

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from reader_spec.engine import kernels
+from reader_spec.engine.host import longs
 from reader_spec.engine.layouts import BLOCK, INT8_GROUP, quantize_int8, to_groups
 from reader_spec.engine.memory import PageArena
 from reader_spec.engine.timing import fastest
@@ -90,8 +91,10 @@ class GreedyHead:
         if not self.wins(hidden.shape[0]):
             return self.head(hidden).argmax(-1)
         tokens = self._bounded(hidden, trees)
-        unbounded = tokens == UNBOUNDED  # inf or NaN in a row: its bound says nothing, take the full product
-        if unbounded.any():
+        if (
+            tokens.numpy() == UNBOUNDED
+        ).any():  # inf or NaN in a row: its bound says nothing, take the full product
+            unbounded = tokens == UNBOUNDED
             tokens[unbounded] = self.head(hidden[unbounded]).argmax(-1)
         return tokens
 
@@ -146,4 +149,4 @@ def tree_rows(trees: Sequence[DraftTree]) -> Trees:
         start = len(parents)
         parents += [parent + start if parent >= 0 else -1 for parent in tree.parents]
         tokens += tree.tokens
-    return torch.tensor(parents), torch.tensor(tokens)
+    return longs(parents), longs(tokens)

@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from reader_spec.engine import kernels
+from reader_spec.engine.host import longs
 
 
 class RaggedLayer(CacheLayerMixin):
@@ -127,11 +128,12 @@ class RaggedKVCache(Cache):
         kv_length = max(length + width for length, width in zip(lengths, widths, strict=True))
         if kv_length > self.capacity:
             self.reserve(kv_length)
-        # Built as lists: a pass has at most a few hundred tokens, and each tensor op costs microseconds.
+        # Built as lists: a pass has at most a few hundred tokens, and each tensor op costs tens of
+        # microseconds after a pass (host.py).
         token_rows = [row for row, width in zip(rows, widths, strict=True) for _ in range(width)]
         positions = [length + i for length, width in zip(lengths, widths, strict=True) for i in range(width)]
-        self._rows = torch.tensor(token_rows, device=self.device)
-        self._positions = torch.tensor(positions, device=self.device)
+        self._rows = longs(token_rows, self.device)
+        self._positions = longs(positions, self.device)
         self._span, self._kv_length = slice(rows[0], rows[-1] + 1), kv_length
         return kv_length
 
@@ -193,9 +195,9 @@ class RaggedKVCache(Cache):
             buffer for layer in self.layers if layer.keys is not None for buffer in (layer.keys, layer.values)
         ]
         if buffers and self.device.type == "cpu" and kernels.available():
-            torch.ops.reader_spec.move_entries(buffers, *map(torch.tensor, (rows, destinations, sources)))
+            torch.ops.reader_spec.move_entries(buffers, *map(longs, (rows, destinations, sources)))
             return
-        row_index, dst, src = (torch.tensor(t, device=self.device) for t in (rows, destinations, sources))
+        row_index, dst, src = (longs(t, self.device) for t in (rows, destinations, sources))
         for buffer in buffers:
             buffer[row_index, :, dst] = buffer[row_index, :, src]
 

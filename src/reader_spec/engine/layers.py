@@ -174,14 +174,17 @@ def stack_kinds(layers: list[PackedLayer]) -> list[str]:
     return sorted({layer.kind for layer in layers})
 
 
-def native_stack(layers: list[PackedLayer]) -> torch.ScriptObject | None:
-    """All layers as one compiled ``DecoderStack`` where every layer has a compiled form; else None."""
-    if not layers or any(layer.native is None for layer in layers):
+def native_stack(layers: list[PackedLayer], final_norm: nn.Module) -> torch.ScriptObject | None:
+    """All layers and the final norm as one compiled ``DecoderStack`` where every layer has a compiled
+    form and the norm is Llama's RMSNorm (as the layers' are); else None."""
+    epsilon = getattr(final_norm, "variance_epsilon", None)
+    if not layers or any(layer.native is None for layer in layers) or epsilon is None:
         return None
     kinds = stack_kinds(layers)
     stack = torch.classes.reader_spec.DecoderStack()
     for layer in layers:
         stack.add(layer.native, kinds.index(layer.kind))
+    stack.set_final_norm(final_norm.weight, epsilon)
     return stack
 
 

@@ -32,6 +32,7 @@ from reader_spec.engine.attention import (
     visibility,
 )
 from reader_spec.engine.decoder import FAST_FAMILIES, FastDecoder, supports
+from reader_spec.engine.host import longs
 from reader_spec.engine.kv_cache import RaggedKVCache
 from reader_spec.engine.tree import DraftTree
 from reader_spec.engine.weights import WEIGHT_FORMATS
@@ -66,6 +67,7 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
 
 FORWARD_MODULES = (
     "runner",
+    "host",
     "decoder",
     "layers",
     "rotary",
@@ -177,7 +179,7 @@ class ModelRunner:
         lengths = self.cache.lengths_of(rows).tolist()
         tokens = [tree.tokens for tree in trees]
         flat = [length + depth for length, tree in zip(lengths, trees, strict=True) for depth in tree.depths]
-        positions = torch.tensor(flat)
+        positions = longs(flat)
         masks = [t.ancestor_mask() for t in trees]
         return self.extend(rows, tokens, positions, masks, greedy=greedy, trees=trees)
 
@@ -202,7 +204,7 @@ class ModelRunner:
         the new ones (:func:`visibility`); everything before is context.
         """
         widths = [len(t) for t in tokens]
-        input_ids = torch.tensor([token for row_tokens in tokens for token in row_tokens])
+        input_ids = longs([token for row_tokens in tokens for token in row_tokens])
         keep = torch.tensor(list(itertools.accumulate(widths))) - 1 if last_only else None
         flat_positions = positions if isinstance(positions, torch.Tensor) else torch.cat(list(positions))
         states = self._forward(rows, input_ids, flat_positions, local_masks, keep)
@@ -236,7 +238,8 @@ class ModelRunner:
                 results = rows.argmax(-1)
             if flag:  # tokens go to the host, where acceptance walks them: one copy for all rows
                 results = results.cpu()
-            outputs.update(zip(chosen, results.split([kept[i] for i in chosen]), strict=True))
+            pieces = [results] if len(chosen) == 1 else results.split([kept[i] for i in chosen])
+            outputs.update(zip(chosen, pieces, strict=True))
         return [outputs[i] for i in range(len(kept))]
 
     @torch.inference_mode()

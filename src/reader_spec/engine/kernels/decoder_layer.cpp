@@ -238,6 +238,14 @@ struct DecoderLayer : torch::CustomClassHolder {
 struct DecoderStack : torch::CustomClassHolder {
   std::vector<c10::intrusive_ptr<DecoderLayer>> layers;
   std::vector<int64_t> kinds;  // each layer's attention kind: which of cos, sin and visible it takes
+  at::Tensor final_norm;       // the model's norm after the last layer (RMSNorm, as the layers')
+  double final_epsilon = 0;
+
+  void set_final_norm(at::Tensor weight, double epsilon) {
+    TORCH_CHECK(!layers.empty(), "DecoderStack: the final norm comes after the layers");
+    final_norm = checked_norm(weight, layers.back()->input_norm.numel(), "final_norm");
+    final_epsilon = epsilon;
+  }
 
   void add(c10::intrusive_ptr<DecoderLayer> layer, int64_t kind) {
     layers.push_back(std::move(layer));
@@ -245,14 +253,15 @@ struct DecoderStack : torch::CustomClassHolder {
   }
 
   // DecoderLayer.run layer after layer, starting without a residual: cos, sin and visible one
-  // per kind, key and value caches one per layer, `kernels` four per layer. Returns the last
-  // layer's MLP output (the final norm adds it).
+  // per kind, key and value caches one per layer, `kernels` four per layer. Returns the final norm of
+  // the residual stream, the last layer's MLP output added (one op fewer after the pass: each costs
+  // tens of microseconds there, docs/runner.md).
   at::Tensor forward(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
                      std::vector<at::Tensor> key_caches, std::vector<at::Tensor> value_caches, at::Tensor position,
                      std::vector<at::Tensor> visible, at::Tensor token_tree, at::Tensor token_offset,
                      at::Tensor token_row, c10::List<int64_t> kernels) {
     const size_t count = layers.size();
-    TORCH_CHECK(count > 0, "DecoderStack: no layers");
+    TORCH_CHECK(count > 0 && final_norm.defined(), "DecoderStack: no layers or no final norm");
     TORCH_CHECK(key_caches.size() == count && value_caches.size() == count, "one key and value cache per layer");
     TORCH_CHECK(kernels.size() == 4 * count, "four kernels per layer");
     for (const int64_t kind : kinds) {
@@ -268,7 +277,10 @@ struct DecoderStack : torch::CustomClassHolder {
       residual = layers[i]->run(hidden, residual, cos[kind], sin[kind], key_caches[i], value_caches[i], position,
                                 visible[kind], token_tree, token_offset, token_row, layer_kernels);
     }
-    return *residual;
+    at::Tensor normed = at::empty(hidden.sizes(), hidden.options());
+    reader_spec::add_rms_norm_rows(hidden.data_ptr<float>(), residual->data_ptr<float>(), final_norm.data_ptr<float>(),
+                                   final_epsilon, hidden.size(0), hidden.size(1), normed.data_ptr<float>());
+    return normed;
   }
 };
 
@@ -284,5 +296,6 @@ TORCH_LIBRARY_FRAGMENT(reader_spec, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<>())
       .def("add", &DecoderStack::add)
+      .def("set_final_norm", &DecoderStack::set_final_norm)
       .def("forward", &DecoderStack::forward);
 }
