@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from reader_spec.engine import kernels
-from reader_spec.engine.greedy_head import UNNEEDED, GreedyHead, tree_rows
+from reader_spec.engine.greedy_head import UNBOUNDED, UNNEEDED, GreedyHead, tree_rows
 from reader_spec.engine.tree import DraftTree
 from reader_spec.engine.weights import ROW_BUCKETS, pack_linears
 
@@ -138,6 +138,18 @@ def test_rows_that_are_not_finite_take_the_full_products_argmax():
     hidden[1, 5] = float("inf")
     hidden[2, 9] = float("nan")
     assert torch.equal(greedy(hidden), head(hidden).argmax(-1))
+
+
+def test_the_kernel_says_whether_any_row_is_not_finite():
+    """The caller reads the flag instead of the tokens: it must be set exactly when a row is UNBOUNDED."""
+    torch.manual_seed(3)
+    _, greedy = head_of(torch.randn(500, 64))
+    hidden = torch.randn(3, 64)
+    tokens, unbounded = greedy._bounded(hidden)
+    assert unbounded is False and UNBOUNDED not in tokens.tolist()
+    hidden[2, 9] = float("nan")
+    tokens, unbounded = greedy._bounded(hidden)
+    assert unbounded is True and tokens.tolist()[2] == UNBOUNDED and UNBOUNDED not in tokens.tolist()[:2]
 
 
 def test_it_applies_to_float32_heads_without_bias_only():

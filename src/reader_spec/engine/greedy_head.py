@@ -90,15 +90,15 @@ class GreedyHead:
         model is least sure, and each would send tens of column blocks through the exact product."""
         if not self.wins(hidden.shape[0]):
             return self.head(hidden).argmax(-1)
-        tokens = self._bounded(hidden, trees)
-        if (
-            tokens.numpy() == UNBOUNDED
-        ).any():  # inf or NaN in a row: its bound says nothing, take the full product
+        tokens, any_unbounded = self._bounded(hidden, trees)
+        if any_unbounded:  # inf or NaN in a row: its bound says nothing, take the full product
             unbounded = tokens == UNBOUNDED
             tokens[unbounded] = self.head(hidden[unbounded]).argmax(-1)
         return tokens
 
-    def _bounded(self, hidden: torch.Tensor, trees: Trees | None = None) -> torch.Tensor:
+    def _bounded(self, hidden: torch.Tensor, trees: Trees | None = None) -> tuple[torch.Tensor, bool]:
+        """Each row's token (``UNBOUNDED``, ``UNNEEDED`` or the argmax) and whether any is ``UNBOUNDED``
+        (told by the kernel: reading the tokens back costs 0.1 ms after a pass has swept the caches)."""
         head = self.head
         parents, drafted = trees if trees is not None else (None, None)
         tables = (self.quantized, self.scales, self.slack, self.norms)

@@ -11,7 +11,7 @@
 // exact logit is at least max_j(approx_j - bound_j), so only columns whose approx_j + bound_j reaches
 // that floor can win; the blocks that hold them are multiplied by the full product's own tile, so
 // their logits are bitwise the full product's. A row that is not finite gets -1 (the caller takes the
-// full product's argmax).
+// full product's argmax; the op also says whether any row got it, so that the caller need not look).
 //
 // A row whose bound leaves one column needs no exact logit at all. Given the pass's draft trees (each
 // row's parent row and token), a row's exact logits are computed only where its token can matter:
@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "kernels.h"
@@ -102,7 +103,7 @@ struct BlockWork {
   float best_logit;
 };
 
-at::Tensor greedy_tokens(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& weight_int8,
+std::tuple<at::Tensor, bool> greedy_tokens(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& weight_int8,
                          const at::Tensor& scales, const at::Tensor& slack, const at::Tensor& col_norm,
                          int64_t out_features, const c10::optional<at::Tensor>& parents,
                          const c10::optional<at::Tensor>& drafted) {
@@ -202,10 +203,12 @@ at::Tensor greedy_tokens(const at::Tensor& hidden, const at::Tensor& weight, con
       token_data[best.row] = best.best;
     }
   }
+  bool unbounded = false;
   for (int64_t r = 0; r < rows; ++r) {
     if (token_data[r] == kPending) token_data[r] = kUnneeded;
+    unbounded = unbounded || token_data[r] == kUnbounded;
   }
-  return tokens;
+  return {tokens, unbounded};
 }
 
 }  // namespace
@@ -213,7 +216,7 @@ at::Tensor greedy_tokens(const at::Tensor& hidden, const at::Tensor& weight, con
 TORCH_LIBRARY_FRAGMENT(reader_spec, m) {
   m.def(
       "greedy_tokens(Tensor hidden, Tensor weight, Tensor weight_int8, Tensor scales, Tensor slack, Tensor col_norm, "
-      "int out_features, Tensor? parents=None, Tensor? drafted=None) -> Tensor");
+      "int out_features, Tensor? parents=None, Tensor? drafted=None) -> (Tensor, bool)");
 }
 
 TORCH_LIBRARY_IMPL(reader_spec, CPU, m) { m.impl("greedy_tokens", &greedy_tokens); }
