@@ -643,18 +643,39 @@ void attend(const float* query, int64_t tokens, int64_t heads, const CacheView& 
   }
   starts.push_back(tokens);
   const int64_t runs = static_cast<int64_t>(starts.size()) - 1;
+  // Item i: run run_of_item(i) on key/value head i % kv_heads, runs in the order first, last, second, second
+  // to last...: a thread takes a contiguous share of the items, and a prompt's later runs see more keys,
+  // so in cache order the last of two threads would get three times the first's work in a causal chunk
+  // (docs/runner.md).
+  const int64_t items = runs * cache.kv_heads;
   // Items of about 64k multiply-adds or more per thread: below that, threads cost more than they save.
   const int64_t work = std::max<int64_t>(1, visibility.kv_length * group * dim * tokens / std::max<int64_t>(runs, 1));
-  const auto run_of = dim == 64 ? attend_run<4> : dim == 128 ? attend_run<8> : attend_run<0>;
-  at::parallel_for(0, runs * cache.kv_heads, std::max<int64_t>(1, 65536 / work), [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, 65536 / work);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (items + grain - 1) / grain);
+  auto run_of_item = [&](int64_t item) {
+    const int64_t order = item / cache.kv_heads;
+    return order % 2 == 0 ? order / 2 : runs - 1 - order / 2;
+  };
+  // Each thread's share holds about as many tokens as the others': runs differ in length (5 tokens are
+  // runs of 4 and 1), and shares of equal item counts gave one thread 12 of the 15 (token, head) pairs
+  // (an AMD EPYC Zen 4 host: attention of 5 tokens 0.84x as long, 13 tokens 0.87x; docs/runner.md).
+  std::vector<int64_t> tokens_before(items + 1, 0);
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t run = run_of_item(item);
+    tokens_before[item + 1] = tokens_before[item] + starts[run + 1] - starts[run];
+  }
+  std::vector<int64_t> bounds(threads + 1, items);
+  for (int64_t thread = 0, item = 0; thread < threads; ++thread) {
+    const double target = static_cast<double>(thread) * tokens_before[items] / threads;
+    while (item < items && std::abs(tokens_before[item + 1] - target) <= std::abs(tokens_before[item] - target)) ++item;
+    bounds[thread] = item;
+  }
+  const auto attend_run_of = dim == 64 ? attend_run<4> : dim == 128 ? attend_run<8> : attend_run<0>;
+  at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
     AttentionScratch scratch;
     std::vector<const bool*> visible;
-    for (int64_t item = begin; item < end; ++item) {
-      // Runs in the order first, last, second, second to last...: a thread takes a contiguous share of
-      // the items, and a prompt's later runs see more keys, so in cache order the last of two threads
-      // would get three times the first's work in a causal chunk (docs/runner.md).
-      const int64_t order = item / cache.kv_heads, kv_head = item % cache.kv_heads;
-      const int64_t run = order % 2 == 0 ? order / 2 : runs - 1 - order / 2;
+    for (int64_t item = bounds[first_thread]; item < bounds[last_thread]; ++item) {
+      const int64_t run = run_of_item(item), kv_head = item % cache.kv_heads;
       const int64_t first = starts[run], count = starts[run + 1] - first;
       if (run != scratch.run) {  // a run's heads are consecutive items: its keys and masks serve them all
         visible.clear();
@@ -666,8 +687,8 @@ void attend(const float* query, int64_t tokens, int64_t heads, const CacheView& 
         see_run(visible.data(), count, visibility.kv_length, scratch);
         scratch.run = run;
       }
-      run_of(query + first * heads * dim, count, heads, group, kv_head, cache, visibility.token_row[first], scaling,
-             softcap, out + first * heads * dim, scratch);
+      attend_run_of(query + first * heads * dim, count, heads, group, kv_head, cache, visibility.token_row[first],
+                    scaling, softcap, out + first * heads * dim, scratch);
     }
   });
 }
