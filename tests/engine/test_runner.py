@@ -397,7 +397,7 @@ def test_whole_compiled_layers_compute_the_bits_of_the_layer_by_layer_path(
 
     Kernel = weights_module.Kernel
     forced = Kernel.READING_AHEAD if kernel == "reading ahead" else Kernel.COMPILED
-    monkeypatch.setattr(weights_module, "_fastest_kernel", lambda matrices, rows: forced)
+    monkeypatch.setattr(weights_module, "_fastest_kernel", lambda matrices, rows, same_pass: forced)
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()

@@ -32,7 +32,7 @@ def kernel(request, monkeypatch):
     ``compiled`` stands for both compiled ones where only the arithmetic matters."""
     if request.param != "batched matmul" and not kernels.available():
         pytest.fail("the compiled kernels must build on this machine (make builds them)")
-    monkeypatch.setattr(weights, "_fastest_kernel", lambda weights, rows: KERNELS[request.param])
+    monkeypatch.setattr(weights, "_fastest_kernel", lambda weights, rows, same_pass: KERNELS[request.param])
     return "batched matmul" if request.param == "batched matmul" else "compiled"
 
 
@@ -533,10 +533,10 @@ def test_the_kernel_library_is_loaded_once_whatever_the_cache_directory_says(mon
 
 
 def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_near_ties(monkeypatch):
-    """Timing reads each matrix of the shape once per round, as a pass does; the compiled kernel runs
-    with or without requests ahead, whichever timed faster; the batched matmul runs a row bucket only
-    where it timed clearly faster than both (a pass favours the compiled kernel, see
-    ``BATCHED_MARGIN``)."""
+    """Timing reads each matrix of the shape once per round, as a pass does; the batched matmul runs a
+    row bucket only where it timed clearly faster than the compiled kernel with or without requests
+    ahead (a pass favours the compiled kernel, see ``BATCHED_MARGIN``); whether the compiled kernel
+    requests ahead is its own choice (``_reads_ahead``)."""
     if not kernels.available():
         pytest.fail("the compiled kernels must build on this machine (make builds them)")
     packed = [pack_linears([linear(64, 40, bias=False, seed=s)])[0] for s in range(3)]
@@ -556,6 +556,7 @@ def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_
 
     monkeypatch.setattr(weights, "_CHOICES", {})
     monkeypatch.setattr(weights, "best_times", timed)
+    monkeypatch.setattr(weights, "_reads_ahead", lambda same_pass, rows: rows >= 8)
     seen = []
     monkeypatch.setattr(
         torch.ops.reader_spec, "blocked_linear", lambda x, w, **kwargs: seen.append((w, kwargs["ahead"]))
@@ -564,7 +565,7 @@ def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_
     assert packed[0].kernel_at(1) == Kernel.COMPILED and packed[1].kernel_at(8) == Kernel.READING_AHEAD
     assert packed[2].kernel_at(16) == Kernel.BATCHED and packed[0].kernel_at(64) == Kernel.BATCHED
     assert len(calls) == 4 and packed[1].kernel_at(50) == Kernel.BATCHED  # each bucket timed once, when first
-    assert len(calls) == 4
+    assert packed[2].kernel_at(7) == Kernel.COMPILED and len(calls) == 4  # bucket 8 timed already
     compiled, reading_ahead, _ = calls[0][0]
     compiled()  # one round of a compiled kernel reads every matrix of the shape
     assert seen == [(p.weight, False) for p in packed]
@@ -578,3 +579,50 @@ def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_
     assert seen == [(packed[0].weight, False)] and calls[-1][1] < 5
     beyond = weights.ROW_BUCKETS[-1] + 1
     assert packed[0].kernel_at(beyond) == Kernel.BATCHED and len(calls) == 5  # beyond: batched
+
+
+def test_requests_ahead_are_timed_at_each_row_count_on_every_matrix_of_a_pass(monkeypatch):
+    """Whether the compiled kernel requests its weights ahead is timed on all the float32 matrices given
+    together, in their order (as a pass reads them), at each row count up to ``AHEAD_TIMED_ROWS``
+    and per bucket beyond, once each; ties go to no requests; compute-bound products never request."""
+    if not kernels.available():
+        pytest.fail("the compiled kernels must build on this machine (make builds them)")
+    first = pack_linears([linear(64, 40, bias=False, seed=1)])[0]
+    wide = pack_linears([linear(96, 24, bias=False, seed=2)])[0]
+    last = pack_linears([linear(64, 40, bias=False, seed=3)])[0]
+    quantized = pack_linears([linear(64, 40, bias=False, seed=4)], weights="int8")[0]
+    weights.time_together([first, quantized, wide, last])
+    assert first.same_pass == [first.weight, wide.weight, last.weight] == last.same_pass
+    rounds = []
+    answers = {3: [1.0, 0.9], 4: [1.0, 1.0], 5: [0.9, 1.0], 16: [1.0, 0.8]}  # (without, with) requests
+
+    def timed(calls_to_time, rounds_=5):
+        rounds.append(calls_to_time)
+        return answers[seen_rows[-1]]
+
+    seen, seen_rows = [], []
+
+    def product(x, w, bias, out_features, ahead):
+        seen.append((w, tuple(x.shape), out_features, ahead))
+
+    monkeypatch.setattr(weights, "_READS_AHEAD", {})
+    monkeypatch.setattr(weights, "best_times", timed)
+    monkeypatch.setattr(torch.ops.reader_spec, "blocked_linear", product)
+    for rows in (3, 4, 5, 16):
+        seen_rows.append(rows)
+        assert weights._reads_ahead(first.same_pass, rows) == (rows in (3, 16))
+    assert len(rounds) == 4
+    assert weights._reads_ahead(last.same_pass, 3) and len(rounds) == 4  # the same pass: timed once
+    seen_rows.append(16)
+    assert weights._reads_ahead(first.same_pass, 13) and len(rounds) == 4  # 13 rows: the bucket of 16
+    assert not weights._reads_ahead(first.same_pass, weights.COMPUTE_BOUND_ROWS) and len(rounds) == 4
+    without, ahead = rounds[0]
+    without()  # one round reads every float32 matrix in turn, each with rows of its own width
+    assert seen == [
+        (first.weight, (3, 40), 64, False),
+        (wide.weight, (3, 24), 96, False),
+        (last.weight, (3, 40), 64, False),
+    ]
+    seen.clear()
+    ahead()
+    assert [request for *_, request in seen] == [True] * 3

@@ -49,7 +49,14 @@ from reader_spec.engine.memory import PageArena
 from reader_spec.engine.rotary import RotaryTables, Rotation
 from reader_spec.engine.timing import best_times
 from reader_spec.engine.tree import DraftTree
-from reader_spec.engine.weights import ROW_BUCKETS, PackedLinear, pack_linears, packed_bytes, time_together
+from reader_spec.engine.weights import (
+    ROW_BUCKETS,
+    PackedLinear,
+    kernel_rows,
+    pack_linears,
+    packed_bytes,
+    time_together,
+)
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 """``model_type`` values the fast decoder runs; the rest use transformers' forward."""
@@ -275,11 +282,12 @@ class FastDecoder:
         when a pass first needs it, which in a running engine adds 0.2-1 s to that step (measured at
         6-24 rows, 2026-11-26): a warm-up calls this, so that no timed step pays for it, nor the first
         method of a benchmark for those after it."""
-        largest = next((b for b in ROW_BUCKETS if b >= max_rows), ROW_BUCKETS[-1])
-        for rows in (b for b in ROW_BUCKETS if b <= largest):
+        for rows in kernel_rows(max_rows):
             self.lm_head.kernel_at(rows)
             for layer in self.layers:
                 layer.kernels_at(rows)
+        largest = next((b for b in ROW_BUCKETS if b >= max_rows), ROW_BUCKETS[-1])
+        for rows in (b for b in ROW_BUCKETS if b <= largest):
             if self.greedy_head is not None:
                 self.greedy_head.wins(rows)
             if self.fused:

@@ -67,6 +67,10 @@ weights ahead pays differs between the two (docs/runner.md). The largest covers 
 (``runner.PREFILL_CHUNK``): PyTorch's batched matmul is near this CPU's matrix rate on some
 processors and far below it on others (2.5x slower than the compiled kernel at 32-512 rows on an AMD
 EPYC, docs/runner.md)."""
+AHEAD_TIMED_ROWS = 12
+"""Up to this many rows whether the compiled kernel requests its weights ahead is timed at each row
+count, not per bucket: the answer turns within a few rows (an AMD EPYC Zen 4 host: passes of 3-6
+tokens 3-11% faster without requests, of 8-16 tokens 1-6% faster with them; docs/runner.md)."""
 COMPUTE_BOUND_ROWS = 128
 """From this many rows a product is bound by arithmetic, not by reading its matrix: the kernels are
 timed on one matrix of the shape, which caches cannot flatter, in fewer rounds."""
@@ -145,6 +149,8 @@ class PackedLinear(nn.Module):
         """Which kernel runs a product of that many rows (:func:`_fastest_kernel`)."""
         self.same_shape: list[torch.Tensor] = [self.weight]
         """The matrices the kernels are timed on for this shape (:func:`time_together`)."""
+        self.same_pass: list[torch.Tensor] = [self.weight]
+        """The float32 matrices of a pass, in its order, on which requests ahead are timed."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.blocked:  # quantized on another device or dtype: correct, not fast
@@ -172,7 +178,9 @@ class PackedLinear(nn.Module):
         """Which kernel multiplies ``rows`` rows (blocked matrices; timed once per shape)."""
         kernel = self._kernel_by_rows.get(rows)
         if kernel is None:  # once per row count: a pass runs 100-200 products, each a few us of Python
-            kernel = _fastest_kernel(self.same_shape, rows) if self.blocked else Kernel.BATCHED
+            kernel = (
+                _fastest_kernel(self.same_shape, rows, self.same_pass) if self.blocked else Kernel.BATCHED
+            )
             self._kernel_by_rows[rows] = kernel
         return kernel
 
@@ -450,23 +458,39 @@ def packed_bytes(module: nn.Linear | PackedLinear, weights: str) -> int:
     return round_up(module.out_features) * module.in_features * 4
 
 
-_CHOICES: dict[tuple[int, int], dict[int, bool]] = {}
+_CHOICES: dict[tuple[int, int], dict[int, Kernel]] = {}
+_READS_AHEAD: dict[tuple[tuple[int, ...], ...], dict[int, bool]] = {}
 
 
 def time_together(linears: Sequence[PackedLinear]) -> None:
     """Have the kernels for each shape among ``linears`` timed on all its matrices, each read once per
     round, as a pass reads them: one matrix timed alone stays in the caches, where the batched matmul
-    looked faster than in a pass (12-24 rows: 1-5% slower passes with its choices, 2026-11-25)."""
+    looked faster than in a pass (12-24 rows: 1-5% slower passes with its choices, 2026-11-25). Whether
+    the compiled kernel requests its weights ahead is timed on all of them in the given order, as a pass
+    reads them: timed per shape, the small matrices (a layer's query/key/value and output projections)
+    favoured requests that made whole passes of 3-6 tokens slower (docs/runner.md)."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for linear in linears:
         groups.setdefault((tuple(linear.weight.shape), linear.weight.dtype), []).append(linear.weight)
+    same_pass = [
+        linear.weight for linear in linears if linear.blocked and linear.weight.dtype == torch.float32
+    ]
     for linear in linears:
         linear.same_shape = groups[(tuple(linear.weight.shape), linear.weight.dtype)]
+        linear.same_pass = same_pass
 
 
-def _fastest_kernel(weights: Sequence[torch.Tensor], rows: int) -> Kernel:
-    """The kernel for this shape and row count (timed once per process and row bucket, when a pass
-    first needs it, on ``weights``, every matrix of that shape).
+def kernel_rows(max_rows: int) -> list[int]:
+    """The row counts up to ``max_rows`` at which kernel choices are timed: each up to
+    :data:`AHEAD_TIMED_ROWS`, then the buckets (through the one holding ``max_rows``)."""
+    largest = next((b for b in ROW_BUCKETS if b >= max_rows), ROW_BUCKETS[-1])
+    exact = range(1, min(AHEAD_TIMED_ROWS, largest) + 1)
+    return [*exact, *(b for b in ROW_BUCKETS if AHEAD_TIMED_ROWS < b <= largest)]
+
+
+def _fastest_kernel(weights: Sequence[torch.Tensor], rows: int, same_pass: Sequence[torch.Tensor]) -> Kernel:
+    """The kernel for this shape and row count (timed once per process, when a pass first needs it, on
+    ``weights``, every matrix of that shape, per row bucket; requests ahead on ``same_pass``).
 
     int8 weights: the compiled kernel up to the last row bucket, whenever it is built (measured: the
     batched matmul first converts the whole matrix to float, 2 to 25 times slower at 1 to 64 rows);
@@ -480,7 +504,41 @@ def _fastest_kernel(weights: Sequence[torch.Tensor], rows: int) -> Kernel:
     choices = _CHOICES.setdefault((weights[0].shape[0], weights[0].shape[1]), {})
     if bucket not in choices:
         choices[bucket] = _time_kernels(weights, bucket)
-    return choices[bucket]
+    if choices[bucket] == Kernel.BATCHED:
+        return Kernel.BATCHED
+    return Kernel.READING_AHEAD if _reads_ahead(same_pass, rows) else Kernel.COMPILED
+
+
+def _reads_ahead(same_pass: Sequence[torch.Tensor], rows: int) -> bool:
+    """Whether the compiled kernel requests its weights ahead at ``rows`` rows (timed once per process
+    at each row count up to :data:`AHEAD_TIMED_ROWS`, then per bucket; never where products are
+    compute-bound)."""
+    if rows >= COMPUTE_BOUND_ROWS:
+        return False
+    timed_rows = rows if rows <= AHEAD_TIMED_ROWS else next(b for b in ROW_BUCKETS if b >= rows)
+    choices = _READS_AHEAD.setdefault(tuple(tuple(w.shape) for w in same_pass), {})
+    if timed_rows not in choices:
+        choices[timed_rows] = _time_reading_ahead(same_pass, timed_rows)
+    return choices[timed_rows]
+
+
+def _time_reading_ahead(same_pass: Sequence[torch.Tensor], rows: int) -> bool:
+    """Whether ``rows`` rows times every matrix of ``same_pass`` in turn ran faster with requests ahead
+    (the first of equals: without). Inputs come from a private generator, as in :func:`_time_kernels`."""
+    blocked_linear = torch.ops.reader_spec.blocked_linear
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        inputs = {
+            k: torch.randn(rows, k, generator=generator) for k in sorted({w.shape[1] for w in same_pass})
+        }
+
+        def stream(ahead: bool) -> Callable[[], None]:
+            return lambda: [
+                blocked_linear(inputs[w.shape[1]], w, None, w.shape[0] * BLOCK, ahead) for w in same_pass
+            ]
+
+        without, ahead = best_times([stream(False), stream(True)])
+    return ahead < without
 
 
 def _time_kernels(weights: Sequence[torch.Tensor], rows: int) -> Kernel:
