@@ -547,8 +547,9 @@ def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_
     ]
     calls = []
     # (compiled, reading ahead, batched) per bucket timed: near ties with the batched matmul first;
-    # the compute-bound bucket times no requests ahead
-    times = iter([[1.05, 1.2, 1.0], [1.2, 1.05, 1.0], [1.2, 1.2, 1.0], [1.3, 1.2, 1.0], [1.2, 1.0]])
+    # buckets up to AHEAD_TIMED_ROWS (their requests are timed on the whole pass, here `_reads_ahead`)
+    # and the compute-bound bucket time the compiled kernel without requests only
+    times = iter([[1.05, 1.0], [1.05, 1.0], [1.2, 1.2, 1.0], [1.3, 1.2, 1.0], [1.3, 1.1, 1.5], [1.2, 1.0]])
 
     def timed(calls_to_time, rounds=5):
         calls.append((calls_to_time, rounds))
@@ -556,7 +557,7 @@ def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_
 
     monkeypatch.setattr(weights, "_CHOICES", {})
     monkeypatch.setattr(weights, "best_times", timed)
-    monkeypatch.setattr(weights, "_reads_ahead", lambda same_pass, rows: rows >= 8)
+    monkeypatch.setattr(weights, "_reads_ahead", lambda same_pass, rows: rows == 8)
     seen = []
     monkeypatch.setattr(
         torch.ops.reader_spec, "blocked_linear", lambda x, w, **kwargs: seen.append((w, kwargs["ahead"]))
@@ -566,7 +567,10 @@ def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_
     assert packed[2].kernel_at(16) == Kernel.BATCHED and packed[0].kernel_at(64) == Kernel.BATCHED
     assert len(calls) == 4 and packed[1].kernel_at(50) == Kernel.BATCHED  # each bucket timed once, when first
     assert packed[2].kernel_at(7) == Kernel.COMPILED and len(calls) == 4  # bucket 8 timed already
-    compiled, reading_ahead, _ = calls[0][0]
+    # beyond AHEAD_TIMED_ROWS the shape's own timing also decides the requests
+    assert packed[0].kernel_at(12) == Kernel.READING_AHEAD and len(calls) == 5
+    assert [len(timed_calls) for timed_calls, _ in calls] == [2, 2, 3, 3, 3]
+    compiled, reading_ahead, _ = calls[2][0]
     compiled()  # one round of a compiled kernel reads every matrix of the shape
     assert seen == [(p.weight, False) for p in packed]
     seen.clear()
@@ -578,13 +582,13 @@ def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_
     calls[-1][0][0]()
     assert seen == [(packed[0].weight, False)] and calls[-1][1] < 5
     beyond = weights.ROW_BUCKETS[-1] + 1
-    assert packed[0].kernel_at(beyond) == Kernel.BATCHED and len(calls) == 5  # beyond: batched
+    assert packed[0].kernel_at(beyond) == Kernel.BATCHED and len(calls) == 6  # beyond: batched
 
 
 def test_requests_ahead_are_timed_at_each_row_count_on_every_matrix_of_a_pass(monkeypatch):
-    """Whether the compiled kernel requests its weights ahead is timed on all the float32 matrices given
-    together, in their order (as a pass reads them), at each row count up to ``AHEAD_TIMED_ROWS``
-    and per bucket beyond, once each; ties go to no requests; compute-bound products never request."""
+    """Up to ``AHEAD_TIMED_ROWS`` rows, whether the compiled kernel requests its weights ahead is timed
+    at each row count (not per bucket) on all the float32 matrices given together, in their order (as
+    a pass reads them), once each; ties go to no requests."""
     if not kernels.available():
         pytest.fail("the compiled kernels must build on this machine (make builds them)")
     first = pack_linears([linear(64, 40, bias=False, seed=1)])[0]
@@ -593,14 +597,15 @@ def test_requests_ahead_are_timed_at_each_row_count_on_every_matrix_of_a_pass(mo
     quantized = pack_linears([linear(64, 40, bias=False, seed=4)], weights="int8")[0]
     weights.time_together([first, quantized, wide, last])
     assert first.same_pass == [first.weight, wide.weight, last.weight] == last.same_pass
-    rounds = []
-    answers = {3: [1.0, 0.9], 4: [1.0, 1.0], 5: [0.9, 1.0], 16: [1.0, 0.8]}  # (without, with) requests
+    assert weights.AHEAD_TIMED_ROWS >= 5
+    rounds, timing_rows = [], []
+    answers = {3: [1.0, 0.9], 4: [1.0, 1.0], 5: [0.9, 1.0]}  # (without, with) requests
 
     def timed(calls_to_time, rounds_=5):
         rounds.append(calls_to_time)
-        return answers[seen_rows[-1]]
+        return answers[timing_rows[-1]]
 
-    seen, seen_rows = [], []
+    seen = []
 
     def product(x, w, bias, out_features, ahead):
         seen.append((w, tuple(x.shape), out_features, ahead))
@@ -608,14 +613,11 @@ def test_requests_ahead_are_timed_at_each_row_count_on_every_matrix_of_a_pass(mo
     monkeypatch.setattr(weights, "_READS_AHEAD", {})
     monkeypatch.setattr(weights, "best_times", timed)
     monkeypatch.setattr(torch.ops.reader_spec, "blocked_linear", product)
-    for rows in (3, 4, 5, 16):
-        seen_rows.append(rows)
-        assert weights._reads_ahead(first.same_pass, rows) == (rows in (3, 16))
-    assert len(rounds) == 4
-    assert weights._reads_ahead(last.same_pass, 3) and len(rounds) == 4  # the same pass: timed once
-    seen_rows.append(16)
-    assert weights._reads_ahead(first.same_pass, 13) and len(rounds) == 4  # 13 rows: the bucket of 16
-    assert not weights._reads_ahead(first.same_pass, weights.COMPUTE_BOUND_ROWS) and len(rounds) == 4
+    for rows in (3, 4, 5):
+        timing_rows.append(rows)
+        assert weights._reads_ahead(first.same_pass, rows) == (rows == 3)
+    assert len(rounds) == 3
+    assert weights._reads_ahead(last.same_pass, 3) and len(rounds) == 3  # the same pass: timed once
     without, ahead = rounds[0]
     without()  # one round reads every float32 matrix in turn, each with rows of its own width
     assert seen == [

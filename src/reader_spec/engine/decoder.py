@@ -130,7 +130,7 @@ class FastDecoder:
         ]
         self.kinds = stack_kinds(self.layers)
         """The layers' attention kinds, in the compiled stack's order."""
-        time_together([self.lm_head, *(linear for layer in self.layers for linear in layer.linears)])
+        time_together([*(linear for layer in self.layers for linear in layer.linears), self.lm_head])
         self.attend = packed(self._attention)
         self.fused = _on_cpu(model) and kernels.available()
         """Whether the small operators between the products run as the compiled ops of
@@ -277,8 +277,9 @@ class FastDecoder:
         return _Plan(token_row, position, token_tree, token_offset, visible)
 
     def choose_kernels(self, max_rows: int) -> None:
-        """Make the kernel choices timed per row bucket (each matrix shape's product, the greedy head,
-        the attention beyond whole layers) now, for passes of up to ``max_rows`` tokens. Each is timed
+        """Make the kernel choices timed per row count or bucket (each matrix shape's product, the
+        greedy head, the attention beyond whole layers) now, for passes of up to ``max_rows`` tokens
+        (:func:`~reader_spec.engine.weights.kernel_rows`). Each is timed
         when a pass first needs it, which in a running engine adds 0.2-1 s to that step (measured at
         6-24 rows, 2026-11-26): a warm-up calls this, so that no timed step pays for it, nor the first
         method of a benchmark for those after it."""

@@ -67,10 +67,12 @@ weights ahead pays differs between the two (docs/runner.md). The largest covers 
 (``runner.PREFILL_CHUNK``): PyTorch's batched matmul is near this CPU's matrix rate on some
 processors and far below it on others (2.5x slower than the compiled kernel at 32-512 rows on an AMD
 EPYC, docs/runner.md)."""
-AHEAD_TIMED_ROWS = 12
+AHEAD_TIMED_ROWS = 8
 """Up to this many rows whether the compiled kernel requests its weights ahead is timed at each row
-count, not per bucket: the answer turns within a few rows (an AMD EPYC Zen 4 host: passes of 3-6
-tokens 3-11% faster without requests, of 8-16 tokens 1-6% faster with them; docs/runner.md)."""
+count on the whole pass, not per bucket and shape: the answer turns within a few rows (an AMD EPYC
+Zen 4 host: passes of 3-6 tokens 3-11% faster without requests, of 8-16 tokens 1-6% faster with
+them; docs/runner.md). Beyond, one tile no longer holds the rows on AVX2, whose tiles then make
+their own requests."""
 COMPUTE_BOUND_ROWS = 128
 """From this many rows a product is bound by arithmetic, not by reading its matrix: the kernels are
 timed on one matrix of the shape, which caches cannot flatter, in fewer rounds."""
@@ -481,8 +483,8 @@ def time_together(linears: Sequence[PackedLinear]) -> None:
 
 
 def kernel_rows(max_rows: int) -> list[int]:
-    """The row counts up to ``max_rows`` at which kernel choices are timed: each up to
-    :data:`AHEAD_TIMED_ROWS`, then the buckets (through the one holding ``max_rows``)."""
+    """The row counts at which kernel choices are timed for passes of up to ``max_rows`` rows: each up
+    to :data:`AHEAD_TIMED_ROWS`, then the buckets (through the one holding ``max_rows``)."""
     largest = next((b for b in ROW_BUCKETS if b >= max_rows), ROW_BUCKETS[-1])
     exact = range(1, min(AHEAD_TIMED_ROWS, largest) + 1)
     return [*exact, *(b for b in ROW_BUCKETS if AHEAD_TIMED_ROWS < b <= largest)]
@@ -490,7 +492,8 @@ def kernel_rows(max_rows: int) -> list[int]:
 
 def _fastest_kernel(weights: Sequence[torch.Tensor], rows: int, same_pass: Sequence[torch.Tensor]) -> Kernel:
     """The kernel for this shape and row count (timed once per process, when a pass first needs it, on
-    ``weights``, every matrix of that shape, per row bucket; requests ahead on ``same_pass``).
+    ``weights``, every matrix of that shape, per row bucket; up to :data:`AHEAD_TIMED_ROWS` rows,
+    whether the compiled kernel requests ahead is timed at the row count itself, on ``same_pass``).
 
     int8 weights: the compiled kernel up to the last row bucket, whenever it is built (measured: the
     batched matmul first converts the whole matrix to float, 2 to 25 times slower at 1 to 64 rows);
@@ -504,22 +507,18 @@ def _fastest_kernel(weights: Sequence[torch.Tensor], rows: int, same_pass: Seque
     choices = _CHOICES.setdefault((weights[0].shape[0], weights[0].shape[1]), {})
     if bucket not in choices:
         choices[bucket] = _time_kernels(weights, bucket)
-    if choices[bucket] == Kernel.BATCHED:
-        return Kernel.BATCHED
+    if choices[bucket] == Kernel.BATCHED or rows > AHEAD_TIMED_ROWS:
+        return choices[bucket]
     return Kernel.READING_AHEAD if _reads_ahead(same_pass, rows) else Kernel.COMPILED
 
 
 def _reads_ahead(same_pass: Sequence[torch.Tensor], rows: int) -> bool:
-    """Whether the compiled kernel requests its weights ahead at ``rows`` rows (timed once per process
-    at each row count up to :data:`AHEAD_TIMED_ROWS`, then per bucket; never where products are
-    compute-bound)."""
-    if rows >= COMPUTE_BOUND_ROWS:
-        return False
-    timed_rows = rows if rows <= AHEAD_TIMED_ROWS else next(b for b in ROW_BUCKETS if b >= rows)
+    """Whether the compiled kernel requests its weights ahead at ``rows`` rows (at most
+    :data:`AHEAD_TIMED_ROWS`; timed once per process and row count)."""
     choices = _READS_AHEAD.setdefault(tuple(tuple(w.shape) for w in same_pass), {})
-    if timed_rows not in choices:
-        choices[timed_rows] = _time_reading_ahead(same_pass, timed_rows)
-    return choices[timed_rows]
+    if rows not in choices:
+        choices[rows] = _time_reading_ahead(same_pass, rows)
+    return choices[rows]
 
 
 def _time_reading_ahead(same_pass: Sequence[torch.Tensor], rows: int) -> bool:
@@ -543,7 +542,8 @@ def _time_reading_ahead(same_pass: Sequence[torch.Tensor], rows: int) -> bool:
 
 def _time_kernels(weights: Sequence[torch.Tensor], rows: int) -> Kernel:
     """The fastest kernel at ``rows`` rows, over all ``weights`` in turn (one of them where products
-    are compute-bound, and there without requests ahead, which only speed up reading the matrix).
+    are compute-bound, and there without requests ahead, which only speed up reading the matrix; up to
+    :data:`AHEAD_TIMED_ROWS` rows also without, the requests being timed on the whole pass).
     Inputs come from a private generator: the first pass of a process must not move the caller's
     random state (seeded sampling)."""
     blocked_linear = torch.ops.reader_spec.blocked_linear
@@ -555,7 +555,8 @@ def _time_kernels(weights: Sequence[torch.Tensor], rows: int) -> Kernel:
     def each(product: Callable[[torch.Tensor], object]) -> Callable[[], None]:
         return lambda: [product(weight) for weight in timed]
 
-    candidates = [Kernel.COMPILED] if compute_bound else [Kernel.COMPILED, Kernel.READING_AHEAD]
+    plain_only = compute_bound or rows <= AHEAD_TIMED_ROWS
+    candidates = [Kernel.COMPILED] if plain_only else [Kernel.COMPILED, Kernel.READING_AHEAD]
     with torch.inference_mode():
         x = torch.randn(rows, weights[0].shape[1], generator=generator)
         compiled = [
