@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -136,11 +137,12 @@ std::tuple<at::Tensor, bool> greedy_tokens(const at::Tensor& hidden, const at::T
       TORCH_CHECK(parent_data[r] >= -1 && parent_data[r] < r, "greedy_tokens: a row's parent must come before it");
     }
   }
-  // Approximate logits of every row (padding columns included), blocks of columns in parallel.
-  std::vector<float> approx(rows * blocks * kBlock);
+  // Approximate logits of every row (padding columns included), blocks of columns in parallel; every
+  // one is written, so the buffer is not zeroed first (8 rows: 1.5 MB).
+  const std::unique_ptr<float[]> approx(new float[rows * blocks * kBlock]);
   const std::vector<IntegerRow> quantized =
       reader_spec::integer_product(x.data_ptr<float>(), rows, weight_int8.data_ptr<uint8_t>(), k_size,
-                                   scales.data_ptr<float>(), nullptr, approx.data(), blocks * kBlock, blocks * kBlock,
+                                   scales.data_ptr<float>(), nullptr, approx.get(), blocks * kBlock, blocks * kBlock,
                                    true);
 
   // Per row: the columns that can still be the largest; one of them is the token.
@@ -153,7 +155,7 @@ std::tuple<at::Tensor, bool> greedy_tokens(const at::Tensor& hidden, const at::T
         token_data[r] = kUnbounded;
         continue;
       }
-      candidates_of(approx.data() + r * blocks * kBlock, slack.data_ptr<float>(), col_norm.data_ptr<float>(),
+      candidates_of(approx.get() + r * blocks * kBlock, slack.data_ptr<float>(), col_norm.data_ptr<float>(),
                     out_features, quantized[r].norm, quantized[r].error, candidates[r]);
       token_data[r] = candidates[r].size() == 1 ? candidates[r][0] : kPending;
     }
