@@ -63,7 +63,16 @@ constexpr int kStreamRows = 7;
 // The share of the next block a tile brings into the caches while it multiplies this one from L2: the bytes
 // from `bytes`, (step / 65536) of them per k. Without it, the first tile of each block waits on memory
 // and the others leave memory idle, so a pass of more rows than one tile adds its memory time to its
-// compute time instead of overlapping them.
+// compute time instead of overlapping them. With AVX-512 into L2 only (`prefetcht2`): into L1 as well,
+// the next block's lines (72 KB against a 32 KB L1) evicted those of this block that its other tiles
+// read, and passes of 13 / 14 / 16 tokens took 1.14 / 1.11 / 1.04x as long (a Zen 4 host;
+// docs/runner.md, "Session 48"). AVX2's tiles of a few rows keep requesting into L1, as measured on
+// Zen 3 when they were written.
+#ifdef __AVX512F__
+constexpr int kNextBlockLocality = 1;
+#else
+constexpr int kNextBlockLocality = 3;
+#endif
 struct NextBlock {
   const char* bytes = nullptr;  // nullptr: nothing to fetch
   int64_t step = 0;
@@ -78,7 +87,7 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const flo
   Vec16 sums[R][2];
   for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = Vec16{};
   for (int64_t k = 0; k < k_size; ++k) {
-    if (next.bytes != nullptr) __builtin_prefetch(next.bytes + ((k * next.step) >> 16));
+    if (next.bytes != nullptr) __builtin_prefetch(next.bytes + ((k * next.step) >> 16), 0, kNextBlockLocality);
     const float* w_k = w + k * kBlock;
     if (ahead) {  // see kAheadBytes
       const char* bytes = reinterpret_cast<const char*>(w_k);
