@@ -71,8 +71,8 @@ AHEAD_TIMED_ROWS = 8
 """Up to this many rows whether the compiled kernel requests its weights ahead is timed at each row
 count on the whole pass, not per bucket and shape: the answer turns within a few rows (an AMD EPYC
 Zen 4 host: passes of 3-6 tokens 3-11% faster without requests, of 8-16 tokens 1-6% faster with
-them; docs/runner.md). Beyond, one tile no longer holds the rows on AVX2, whose tiles then make
-their own requests."""
+them; docs/runner.md). Beyond 8 rows it held across each bucket there (and AVX2's products of more
+than 7 rows make their own requests, whatever is chosen)."""
 COMPUTE_BOUND_ROWS = 128
 """From this many rows a product is bound by arithmetic, not by reading its matrix: the kernels are
 timed on one matrix of the shape, which caches cannot flatter, in fewer rounds."""
