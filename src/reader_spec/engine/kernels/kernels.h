@@ -154,6 +154,18 @@ inline void store(Lane* p, const Wide<Lane, Part>& v) {
 }
 #endif
 
+// `v` as it was computed: the compiler cannot fuse the multiplication that made it into a later
+// addition (an empty asm, no instruction), so that a vector loop rounds exactly as the scalar loop it
+// stands for, one of whose two products GCC fuses (-ffp-contract=fast).
+inline Vec16 opaque(Vec16 v) {
+#ifdef __AVX512F__
+  __asm__("" : "+v"(v));
+#else
+  for (int p = 0; p < kParts; ++p) __asm__("" : "+x"(v.part[p]));
+#endif
+  return v;
+}
+
 // y = x @ W.T (+ bias) for `rows` rows of x side by side (`k_size` floats each), W in column blocks
 // ([blocks, k_size, 32]). `ahead`: request each block's weights into L2 a few KB ahead of the
 // multiply-adds, where the hardware's prefetcher alone does not keep the memory busy (timed per shape

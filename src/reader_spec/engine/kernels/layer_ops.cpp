@@ -176,17 +176,37 @@ struct AttentionScratch {
   std::vector<int32_t> order;
 };
 
-// Keys (and values) are fetched this many ahead of their use: each is a few cache lines of a row of
-// the cache, which a batch's pass reads from memory (its rows are megabytes). A key right after the
-// one before it is left to the hardware's stream prefetcher: requesting every line of a run of
-// consecutive keys as well made attention 6-14% slower on an AMD EPYC (Zen 3).
-constexpr int64_t kPrefetchKeys = 32;
+// Keys and values are requested ahead of their use: each is a few cache lines of a row of the cache,
+// which a batch's pass reads from memory (its rows are megabytes), and the hardware's stream
+// prefetcher restarts at every 4 KB page (16 keys of 64 dims). With AVX-512 (measured on an AMD EPYC
+// Zen 4 host) every line of every key is requested kKeysAhead keys ahead, the first kKeysAhead of a
+// head before its scores, and keys and values into L2 only: decode passes of 32 sequences took 0.93x
+// as long, of 8 sequences at 512 tokens of context 0.91x, passes of 1-12 tokens of one sequence
+// 0.97-1.00x (docs/runner.md, "Session 49"). AVX2 builds keep what was measured on a Zen 3 host: a
+// key right after the one before is left to the hardware (requesting every line of a run of
+// consecutive keys made attention 6-14% slower there), the others requested 32 keys ahead into L1.
+#ifdef __AVX512F__
+constexpr int64_t kKeysAhead = 64;
+constexpr bool kEveryKey = true;
+constexpr int kRowLocality = 1;  // __builtin_prefetch's: 1 is prefetcht2, 3 prefetcht0
+#else
+constexpr int64_t kKeysAhead = 32;
+constexpr bool kEveryKey = false;
+constexpr int kRowLocality = 3;
+#endif
+constexpr int64_t kValuesAhead = 32;
+
+inline void request_row(const float* row, int64_t dim) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t line = 0; line < dim * static_cast<int64_t>(sizeof(float)); line += 64) {
+    __builtin_prefetch(bytes + line, 0, kRowLocality);
+  }
+}
 
 inline void prefetch_rows(const float* base, const int32_t* keys_seen, int64_t begin, int64_t end, int64_t dim) {
   for (int64_t i = begin; i < end; ++i) {
-    if (i > 0 && keys_seen[i] == keys_seen[i - 1] + 1) continue;
-    const char* row = reinterpret_cast<const char*>(base + keys_seen[i] * dim);
-    for (int64_t line = 0; line < dim * static_cast<int64_t>(sizeof(float)); line += 64) __builtin_prefetch(row + line);
+    if (!kEveryKey && i > 0 && keys_seen[i] == keys_seen[i - 1] + 1) continue;
+    request_row(base + keys_seen[i] * dim, dim);
   }
 }
 
@@ -247,7 +267,7 @@ inline void store_native(float* p, const Native& v) { std::memcpy(p, &v, sizeof(
 // The values' weighted sums of kQ queries on kP registers of lanes from `first`: per lane, the keys'
 // weighted values summed in cache order. A key a query does not see has weight 0 and adds exactly
 // nothing, so each query's sums are the same sequence of roundings as over its own keys alone,
-// whichever queries a tile takes it with. `fetch`: request every line of the row kPrefetchKeys keys
+// whichever queries a tile takes it with. `fetch`: request every line of the row kValuesAhead keys
 // ahead (the run's first tile; the later ones read the rows' other lines from the caches, which the
 // hardware's prefetcher, seeing one line of each row, would not have brought).
 template <int kQ, int kP>
@@ -255,12 +275,7 @@ void value_tile(const float* const* weights, const float* values, const int32_t*
                 int64_t stride, int64_t first, bool fetch, float* const* sums) {
   Native acc[kQ][kP] = {};
   for (int64_t i = 0; i < n; ++i) {
-    if (fetch && i + kPrefetchKeys < n) {
-      const char* row = reinterpret_cast<const char*>(values + keys_seen[i + kPrefetchKeys] * stride);
-      for (int64_t line = 0; line < stride * static_cast<int64_t>(sizeof(float)); line += 64) {
-        __builtin_prefetch(row + line);
-      }
-    }
+    if (fetch && i + kValuesAhead < n) request_row(values + keys_seen[i + kValuesAhead] * stride, stride);
     const float* v = values + keys_seen[i] * stride + first;
     Native value[kP];
     for (int p = 0; p < kP; ++p) value[p] = load_native(v + p * kNativeLanes);
@@ -353,10 +368,11 @@ void attend_run(const float* query, int64_t tokens, int64_t heads, int64_t group
   auto head_of = [&](int64_t q) { return ((q / group) * heads + kv_head * group + q % group) * dim; };
   // Scores, 16 keys at a time (in L1 for every query).
   static const float zeros[kMaxHeadDim] = {};
+  if (kEveryKey) prefetch_rows(keys, keys_seen, 0, std::min(n, kKeysAhead), dim);
   for (int64_t first = 0; first < n; first += kLanes) {
     const float* k[kLanes];
     for (int64_t i = 0; i < kLanes; ++i) k[i] = first + i < n ? keys + keys_seen[first + i] * dim : zeros;
-    prefetch_rows(keys, keys_seen, first + kPrefetchKeys, std::min(n, first + kPrefetchKeys + kLanes), dim);
+    prefetch_rows(keys, keys_seen, first + kKeysAhead, std::min(n, first + kKeysAhead + kLanes), dim);
     for (int64_t q = 0; q < queries; ++q) {
       float* scores = scratch.weights.data() + q * stride + first;
       store(scores, scores_of<kChunks>(query + head_of(q), k, dim, scaling));
@@ -625,7 +641,16 @@ void rotary_store_token(const float* query_key, const float* value, const float*
     const float* x = query_key + head * dim;
     float* out = head >= query_heads ? cache.keys + cache.offset(row, head - query_heads, position)
                                      : query_out + head * dim;
-    for (int64_t i = 0; i < half; ++i) {
+    // Sixteen pairs at a time, each lane as the scalar loop below computes it (GCC fuses x[i] * cos[i]
+    // and x[i + half] * cos[i + half]): 1.6-2.3% of a pass of 4-12 tokens on a Zen 4 host, whose
+    // scalar loop took 2.7 us a token and layer (docs/runner.md, "Session 49").
+    int64_t i = 0;
+    for (; i + kLanes <= half; i += kLanes) {
+      const Vec16 low = load(x + i), high = load(x + i + half);
+      store(out + i, low * load(cos + i) - opaque(high * load(sin + i)));
+      store(out + i + half, high * load(cos + i + half) + opaque(low * load(sin + i + half)));
+    }
+    for (; i < half; ++i) {
       out[i] = x[i] * cos[i] - x[i + half] * sin[i];
       out[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
     }
