@@ -164,9 +164,9 @@ def total_throughput(results: Iterable[PromptResult], method: str) -> float:
 
 def batch_speedup(result: BatchResult, batches: Sequence[BatchResult]) -> float:
     """Throughput over ``ar``'s at the same batch size: with repeats, the median over repeats of each
-    repeat's ratio to ``ar``'s run just before it. A shared host's speed drifts by a fifth within
+    repeat's ratio to ``ar``'s run of the same repeat. A shared host's speed drifts by a fifth within
     minutes; a ratio of runs minutes apart (each method's median run) carries that drift, a ratio of
-    neighbouring runs much less of it."""
+    runs of one repeat much less of it (and the methods' order reverses every repeat)."""
     base = next((b for b in batches if b.method == REFERENCE and b.batch_size == result.batch_size), None)
     if base is None or not base.tokens_per_second:
         return 0.0
@@ -300,7 +300,8 @@ def _legend() -> list[str]:
     return [
         "speedup: tokens/s over ar's, tokens/s per question (both turns) averaged over questions "
         "(Spec-Bench); in batches, whole-run throughput over ar's at the same batch size (with repeats, the "
-        "median of each repeat's ratio to ar's run just before it; tokens/s is the median run's). "
+        "median of each repeat's ratio to ar's run of that repeat, the methods' order reversed every "
+        "other repeat; tokens/s is the median run's). "
         "tokens/step: tokens emitted per target-model step, bonus included (plain decoding 1.00). "
         "drafted/step: draft tokens verified per step and sequence. identical to ar: outputs equal "
         "token for token to ar's on the same prompt. verify: the target model's forward passes, prefill "

@@ -236,11 +236,14 @@ def _batched(
     bar: tqdm,
 ) -> list[BatchResult]:
     """Every method over all prompts at one batch size; with repeats the methods take turns (the
-    machine's drift between runs hits them alike), each method's median run gives its figures and
-    every run's seconds are kept (its speedup pairs each run with ``ar``'s: ``batch_speedup``)."""
+    machine's drift between runs hits them alike), in the reverse order every other repeat: at batch
+    32 on a Zen 4 host the second of two engine methods prefilled the same prompts 3-15% slower than
+    the first, whichever it was (docs/runner.md, "Session 49"). Each method's median run gives its
+    figures and every run's seconds are kept (its speedup pairs each run with ``ar``'s of the same
+    repeat: ``batch_speedup``)."""
     runs: dict[str, list[Run]] = {name: [] for name in batchable}
-    for _ in range(repeats):
-        for name in batchable:
+    for repeat in range(repeats):
+        for name in batchable if repeat % 2 == 0 else batchable[::-1]:
             built[name].reset()
             runs[name].append(_run(built[name], prompts, max_new_tokens, size, bar))
     results = []
