@@ -73,6 +73,12 @@ struct Linear : torch::CustomClassHolder {
     }
   }
 
+  // Whether operator() with `kernel` multiplies with paired_product, with pairs of blocks `second`
+  // columns apart: the float32 compiled kernel, without a bias.
+  bool pairs_blocks(int64_t kernel, int64_t second) const {
+    return kernel != 0 && !scales.defined() && !bias.defined() && second % reader_spec::kBlock == 0;
+  }
+
   // y = x W^T + b for `rows` rows through `kernel`, as PackedLinear.kernel_at chose it for this many
   // rows: 0, PyTorch's batched matmul over the blocks (float32 only, where the compiled kernel loses);
   // 1, the compiled kernel; 2, the compiled kernel requesting its weights ahead (float32).
@@ -150,14 +156,13 @@ struct DecoderLayer : torch::CustomClassHolder {
   }
 
   // hidden: [tokens, hidden], the residual stream, to which `residual` (the previous layer's output,
-  // if any) is added in place. cos, sin: [tokens, head_dim]. Token t is written at (token_row[t],
-  // position[t]) of the cache and attends as `visible` says (see attend). Returns this layer's MLP
-  // output, which the next layer adds. `kernels`: for qkv, output, gate_up and down, which kernel
-  // multiplies this many rows (Linear's operator()).
+  // if any) is added in place. cos, sin: [tokens, head_dim]. Token t is written at
+  // (plan.visibility.token_row[t], position[t]) of the cache and attends as the plan says (see
+  // attend). Returns this layer's MLP output, which the next layer adds. `kernels`: for qkv, output,
+  // gate_up and down, which kernel multiplies this many rows (Linear's operator()).
   at::Tensor run(const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& cos,
                  const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                 const at::Tensor& position, const at::Tensor& visible, const at::Tensor& token_tree,
-                 const at::Tensor& token_offset, const at::Tensor& token_row, const int64_t kernels[4]) {
+                 const int64_t* positions, const reader_spec::AttentionPlan& plan, const int64_t kernels[4]) {
     const int64_t tokens = hidden.size(0), features = hidden.size(1);
     TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.dim() == 2 &&
                     features == input_norm.numel(),
@@ -176,22 +181,9 @@ struct DecoderLayer : torch::CustomClassHolder {
     TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == tokens * head_dim &&
                     sin.numel() == tokens * head_dim && cos.scalar_type() == at::kFloat,
                 "cos and sin must be contiguous float32 [tokens, head_dim]");
-    TORCH_CHECK(visible.scalar_type() == at::kBool && visible.dim() == 3 && visible.is_contiguous() &&
-                    visible.size(2) <= cache.capacity,
-                "visible must be contiguous [trees, width, kv_length] booleans within the cache");
-    for (const at::Tensor* t : {&position, &token_tree, &token_offset, &token_row}) {
-      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == tokens,
-                  "position, token_tree, token_offset and token_row: one long per token");
-    }
-    const int64_t* rows = token_row.data_ptr<int64_t>();
-    const int64_t* positions = position.data_ptr<int64_t>();
-    const int64_t* trees = token_tree.data_ptr<int64_t>();
-    const int64_t* offsets = token_offset.data_ptr<int64_t>();
-    for (int64_t t = 0; t < tokens; ++t) {
-      TORCH_CHECK(rows[t] >= 0 && rows[t] < cache.rows && positions[t] >= 0 && positions[t] < visible.size(2) &&
-                      trees[t] >= 0 && trees[t] < visible.size(0) && offsets[t] >= 0 && offsets[t] < visible.size(1),
-                  "token ", t, " outside the cache or visible");
-    }
+    TORCH_CHECK(plan.visibility.kv_length <= cache.capacity && plan.tokens == tokens,
+                "the plan's tokens or keys do not fit this layer's cache");
+    const int64_t* rows = plan.visibility.token_row;
     const at::TensorOptions options = hidden.options();
     at::Tensor normed = at::empty({tokens, features}, options);
     float* h = hidden.data_ptr<float>();
@@ -214,19 +206,34 @@ struct DecoderLayer : torch::CustomClassHolder {
                                       queries.data_ptr<float>() + t * heads * head_dim);
     });
     at::Tensor attended = at::empty({tokens, heads * head_dim}, options);
-    const reader_spec::Visibility visibility{visible.data_ptr<bool>(), visible.size(1), visible.size(2), trees,
-                                             offsets, rows};
-    reader_spec::attend(queries.data_ptr<float>(), tokens, heads, cache, visibility, static_cast<float>(scaling), 0.0f,
+    reader_spec::attend(queries.data_ptr<float>(), heads, cache, plan, static_cast<float>(scaling), 0.0f,
                         attended.data_ptr<float>());
     at::Tensor out = at::empty({tokens, features}, options);
     (*output)(attended.data_ptr<float>(), tokens, out.data_ptr<float>(), kernels[1]);
     reader_spec::add_rms_norm_rows(h, out.data_ptr<float>(), mlp_norm.data_ptr<float>(), epsilon, tokens, features,
                                    normed.data_ptr<float>());
     at::Tensor gated = at::empty({tokens, gate_up->out_features}, options);
-    (*gate_up)(normed.data_ptr<float>(), tokens, gated.data_ptr<float>(), kernels[2]);
     at::Tensor activated = at::empty({tokens, intermediate}, options);
-    reader_spec::silu_mul_rows(gated.data_ptr<float>(), gated.data_ptr<float>() + up_start, gate_up->out_features,
-                               tokens, intermediate, activated.data_ptr<float>());
+    if (gate_up->pairs_blocks(kernels[2], up_start)) {
+      // Each thread gates the features whose gate and up columns it has just multiplied, from its own
+      // core's caches (silu_mul_rows read half of them from the other core's).
+      const float* gate = gated.data_ptr<float>();
+      float* gated_out = activated.data_ptr<float>();
+      reader_spec::paired_product(normed.data_ptr<float>(), tokens, gate_up->weight.data_ptr<float>(),
+                                  gate_up->in_features, gated.data_ptr<float>(), gate_up->out_features,
+                                  kernels[2] == 2, up_start / reader_spec::kBlock,
+                                  (intermediate + reader_spec::kBlock - 1) / reader_spec::kBlock,
+                                  [&](int64_t begin, int64_t end) {
+                                    reader_spec::silu_mul_features(
+                                        gate, gate + up_start, gate_up->out_features, tokens, intermediate,
+                                        begin * reader_spec::kBlock,
+                                        std::min(end * reader_spec::kBlock, intermediate), gated_out);
+                                  });
+    } else {
+      (*gate_up)(normed.data_ptr<float>(), tokens, gated.data_ptr<float>(), kernels[2]);
+      reader_spec::silu_mul_rows(gated.data_ptr<float>(), gated.data_ptr<float>() + up_start,
+                                 gate_up->out_features, tokens, intermediate, activated.data_ptr<float>());
+    }
     (*down)(activated.data_ptr<float>(), tokens, out.data_ptr<float>(), kernels[3]);
     return out;
   }
@@ -269,13 +276,36 @@ struct DecoderStack : torch::CustomClassHolder {
                       static_cast<size_t>(kind) < visible.size(),
                   "cos, sin and visible: one per kind of layer");
     }
+    const int64_t tokens = hidden.size(0);
+    for (const at::Tensor* t : {&position, &token_tree, &token_offset, &token_row}) {
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == tokens,
+                  "position, token_tree, token_offset and token_row: one long per token");
+    }
+    const int64_t* rows = token_row.data_ptr<int64_t>();
+    const int64_t* positions = position.data_ptr<int64_t>();
+    const int64_t* trees = token_tree.data_ptr<int64_t>();
+    const int64_t* offsets = token_offset.data_ptr<int64_t>();
+    const int64_t cache_rows = key_caches[0].size(0);
+    std::vector<reader_spec::AttentionPlan> plans;
+    for (const at::Tensor& seen : visible) {
+      TORCH_CHECK(seen.scalar_type() == at::kBool && seen.dim() == 3 && seen.is_contiguous(),
+                  "visible must be contiguous [trees, width, kv_length] booleans");
+      for (int64_t t = 0; t < tokens; ++t) {
+        TORCH_CHECK(rows[t] >= 0 && rows[t] < cache_rows && positions[t] >= 0 && positions[t] < seen.size(2) &&
+                        trees[t] >= 0 && trees[t] < seen.size(0) && offsets[t] >= 0 && offsets[t] < seen.size(1),
+                    "token ", t, " outside the cache or visible");
+      }
+      plans.push_back(reader_spec::plan_attention(
+          {seen.data_ptr<bool>(), seen.size(1), seen.size(2), trees, offsets, rows}, tokens));
+    }
     c10::optional<at::Tensor> residual;
     for (size_t i = 0; i < count; ++i) {
+      TORCH_CHECK(key_caches[i].size(0) == cache_rows, "every layer's cache has the same rows");
       const int64_t layer_kernels[4] = {kernels.get(4 * i), kernels.get(4 * i + 1), kernels.get(4 * i + 2),
                                         kernels.get(4 * i + 3)};
       const int64_t kind = kinds[i];
-      residual = layers[i]->run(hidden, residual, cos[kind], sin[kind], key_caches[i], value_caches[i], position,
-                                visible[kind], token_tree, token_offset, token_row, layer_kernels);
+      residual = layers[i]->run(hidden, residual, cos[kind], sin[kind], key_caches[i], value_caches[i], positions,
+                                plans[kind], layer_kernels);
     }
     at::Tensor normed = at::empty(hidden.sizes(), hidden.options());
     reader_spec::add_rms_norm_rows(hidden.data_ptr<float>(), residual->data_ptr<float>(), final_norm.data_ptr<float>(),

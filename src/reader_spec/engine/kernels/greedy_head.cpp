@@ -43,7 +43,7 @@ using reader_spec::load;
 using reader_spec::select;
 using reader_spec::Vec16;
 
-constexpr int64_t kBlock = 32;
+using reader_spec::kBlock;
 constexpr int64_t kGroup = reader_spec::kIntegerGroup;
 
 // What may separate a column's approximate logit from its exact one (the bound above).

@@ -43,7 +43,7 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;
+using reader_spec::kBlock;
 constexpr int64_t kGroupK = reader_spec::kWeightGroup;  // k per scale (and minimum)
 constexpr int64_t kPairs = kGroupK / 2;
 #ifdef READER_GROUPED_AVX512

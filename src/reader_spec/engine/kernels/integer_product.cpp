@@ -34,7 +34,7 @@ using reader_spec::load;
 using reader_spec::to_float;
 using reader_spec::Vec16;
 
-constexpr int64_t kBlock = 32;
+using reader_spec::kBlock;
 constexpr int64_t kGroup = reader_spec::kIntegerGroup;  // k per lane of the products (4 bytes per column)
 constexpr int kLevels = reader_spec::kIntegerLevels;
 #ifdef __AVX512VNNI__

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -166,12 +167,22 @@ inline Vec16 opaque(Vec16 v) {
   return v;
 }
 
+// Columns per block of a packed matrix ([blocks, k_size, 32] floats, or bytes in the quantized layouts).
+constexpr int64_t kBlock = 32;
+
 // y = x @ W.T (+ bias) for `rows` rows of x side by side (`k_size` floats each), W in column blocks
 // ([blocks, k_size, 32]). `ahead`: request each block's weights into L2 a few KB ahead of the
 // multiply-adds, where the hardware's prefetcher alone does not keep the memory busy (timed per shape
 // and row count by the caller).
 void blocked_product(const float* x, int64_t rows, const float* weight, int64_t k_size, const float* bias, float* y,
                      int64_t out_features, bool ahead);
+
+// blocked_product over pairs of blocks, b and `second` + b for b < `pairs` (a fused gate/up matrix:
+// a gate's columns and the up columns they multiply): each thread takes a range [begin, end) of b,
+// multiplies both blocks of each, and calls `done(begin, end)`, which can then use those columns
+// while they are in its own core's caches.
+void paired_product(const float* x, int64_t rows, const float* weight, int64_t k_size, float* y, int64_t out_features,
+                    bool ahead, int64_t second, int64_t pairs, const std::function<void(int64_t, int64_t)>& done);
 
 // Integer products (integer_product.cpp): int8 weights with a float32 scale per column, W[n] ~
 // scale[n] q[n], stored per block of 32 columns in groups of 4 k as unsigned bytes q + 128
@@ -259,6 +270,11 @@ void add_rms_norm_rows(float* hidden, const float* delta, const float* weight, f
 // Row by row: out = silu(gate) * up (rows of gate and up `stride` floats apart, out's `features`).
 void silu_mul_rows(const float* gate, const float* up, int64_t stride, int64_t rows, int64_t features, float* out);
 
+// silu_mul_rows on the features [begin, end) of every row, on the calling thread (`begin` a multiple
+// of 16): each feature is computed as silu_mul_rows computes it.
+void silu_mul_features(const float* gate, const float* up, int64_t stride, int64_t rows, int64_t features,
+                       int64_t begin, int64_t end, float* out);
+
 // A layer's KV cache, [rows, kv_heads, capacity, head_dim] for keys and values alike.
 struct CacheView {
   float* keys;
@@ -287,9 +303,27 @@ struct Visibility {
   const int64_t* token_row;
 };
 
-// Attention of `tokens` queries ([tokens, heads, head_dim]) on the cache, as `visibility` says;
-// `softcap` 0 for none. out: [tokens, heads, head_dim].
-void attend(const float* query, int64_t tokens, int64_t heads, const CacheView& cache, const Visibility& visibility,
-            float scaling, float softcap, float* out);
+// The keys of one run of a pass's tokens (up to 4 consecutive tokens of one tree, attention's unit
+// of work): the keys any of its tokens sees, in cache order, and which of them each token sees.
+struct RunKeys {
+  std::vector<int32_t> keys;
+  std::vector<Int16> sees;  // per token of the run and block of 16 keys: lanes of -1 where it sees the key
+};
+
+// A pass's runs and their keys, worked out once for every layer that attends as `visibility` says
+// (where each layer worked them out again, that took 7% of attention's time at 7 tokens).
+struct AttentionPlan {
+  Visibility visibility;
+  int64_t tokens;
+  std::vector<int64_t> starts;  // run i: tokens [starts[i], starts[i + 1])
+  std::vector<RunKeys> runs;
+};
+
+AttentionPlan plan_attention(const Visibility& visibility, int64_t tokens);
+
+// Attention of the plan's tokens' queries ([tokens, heads, head_dim]) on the cache; `softcap` 0 for
+// none. out: [tokens, heads, head_dim].
+void attend(const float* query, int64_t heads, const CacheView& cache, const AttentionPlan& plan, float scaling,
+            float softcap, float* out);
 
 }  // namespace reader_spec

@@ -157,16 +157,10 @@ void check_float_cpu(const at::Tensor& t, const char* name) {
 
 constexpr int64_t kMaxHeadDim = 256;
 
-// The keys of one run (see_run): the same for every key/value head.
-struct RunKeys {
-  int64_t run = -1;  // the run they belong to
-  std::vector<int32_t> keys;  // the keys any token of the run sees, in cache order
-  std::vector<Int16> sees;  // per token of the run and block of 16 keys: lanes of -1 where it sees the key
-};
+using reader_spec::RunKeys;
 
 // Buffers one thread reuses across its runs of attention.
 struct AttentionScratch {
-  std::vector<char> seen_by_any;
   std::vector<float> weights;
   std::vector<float> sums;  // per query: its values' weighted sums
   std::vector<float> totals;  // per query: the sum of its weights
@@ -308,15 +302,14 @@ void value_tiles(int64_t count, int64_t parts, const float* const* weights, cons
 
 // The keys that any of a run's `tokens` tokens sees (`visible[t]`: its row of the visibility mask), in
 // cache order, and which of them each token sees as lane masks: the same for every key/value head.
-void see_run(const bool* const* visible, int64_t tokens, int64_t kv_length, AttentionScratch& scratch,
-             RunKeys& run) {
-  scratch.seen_by_any.assign(kv_length, 0);
+void see_run(const bool* const* visible, int64_t tokens, int64_t kv_length, RunKeys& run) {
+  std::vector<char> seen_by_any(kv_length, 0);
   for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t j = 0; j < kv_length; ++j) scratch.seen_by_any[j] |= visible[t][j];
+    for (int64_t j = 0; j < kv_length; ++j) seen_by_any[j] |= visible[t][j];
   }
   run.keys.clear();
   for (int64_t j = 0; j < kv_length; ++j) {
-    if (scratch.seen_by_any[j]) run.keys.push_back(static_cast<int32_t>(j));
+    if (seen_by_any[j]) run.keys.push_back(static_cast<int32_t>(j));
   }
   const int64_t n = static_cast<int64_t>(run.keys.size()), blocks = (n + kLanes - 1) / kLanes;
   run.sees.resize(tokens * blocks);
@@ -588,8 +581,8 @@ at::Tensor attention(const at::Tensor& query, at::Tensor key_cache, at::Tensor v
   at::Tensor out = at::empty_like(query);
   const reader_spec::Visibility visibility{visible.data_ptr<bool>(), visible.size(1), visible.size(2), trees, offsets,
                                            rows};
-  reader_spec::attend(query.data_ptr<float>(), tokens, query.size(1), cache, visibility, static_cast<float>(scaling),
-                      static_cast<float>(softcap), out.data_ptr<float>());
+  reader_spec::attend(query.data_ptr<float>(), query.size(1), cache, reader_spec::plan_attention(visibility, tokens),
+                      static_cast<float>(scaling), static_cast<float>(softcap), out.data_ptr<float>());
   return out;
 }
 
@@ -620,18 +613,28 @@ void add_rms_norm_rows(float* hidden, const float* delta, const float* weight, f
   });
 }
 
+// One row's features [begin, end): vectors of 16 up to the last whole one of the row, then scalars.
+static void silu_mul_span(const float* gate, const float* up, int64_t features, int64_t begin, int64_t end, float* out) {
+  const int64_t vectors = std::min(end, features / kLanes * kLanes);
+  int64_t i = begin;
+  for (; i < vectors; i += kLanes) {
+    const Vec16 x = load(gate + i);
+    store(out + i, x / (1.0f + exp16(-x)) * load(up + i));
+  }
+  for (; i < end; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
 void silu_mul_rows(const float* gate, const float* up, int64_t stride, int64_t rows, int64_t features, float* out) {
-  const int64_t vectors = features / kLanes * kLanes;
   for_rows(rows, features, [&](int64_t r) {
-    const float* gate_row = gate + r * stride;
-    const float* up_row = up + r * stride;
-    float* row = out + r * features;
-    for (int64_t i = 0; i < vectors; i += kLanes) {
-      const Vec16 x = load(gate_row + i);
-      store(row + i, x / (1.0f + exp16(-x)) * load(up_row + i));
-    }
-    for (int64_t i = vectors; i < features; ++i) row[i] = gate_row[i] / (1.0f + std::exp(-gate_row[i])) * up_row[i];
+    silu_mul_span(gate + r * stride, up + r * stride, features, 0, features, out + r * features);
   });
+}
+
+void silu_mul_features(const float* gate, const float* up, int64_t stride, int64_t rows, int64_t features,
+                       int64_t begin, int64_t end, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    silu_mul_span(gate + r * stride, up + r * stride, features, begin, end, out + r * features);
+  }
 }
 
 void rotary_store_token(const float* query_key, const float* value, const float* cos, const float* sin,
@@ -660,26 +663,46 @@ void rotary_store_token(const float* query_key, const float* value, const float*
   }
 }
 
-void attend(const float* query, int64_t tokens, int64_t heads, const CacheView& cache, const Visibility& visibility,
-            float scaling, float softcap, float* out) {
-  const int64_t group = heads / cache.kv_heads, dim = cache.head_dim;
-  // Runs: up to kRunTokens consecutive tokens of one tree, which share their row's keys.
-  constexpr int64_t kRunTokens = 4, kHeadMajorRuns = 8;
-  std::vector<int64_t> starts;
+AttentionPlan plan_attention(const Visibility& visibility, int64_t tokens) {
+  constexpr int64_t kRunTokens = 4;
+  AttentionPlan plan{visibility, tokens, {}, {}};
   for (int64_t t = 0; t < tokens; ++t) {
-    if (t == 0 || visibility.token_tree[t] != visibility.token_tree[t - 1] || t - starts.back() == kRunTokens) {
-      starts.push_back(t);
+    if (t == 0 || visibility.token_tree[t] != visibility.token_tree[t - 1] || t - plan.starts.back() == kRunTokens) {
+      plan.starts.push_back(t);
     }
   }
-  starts.push_back(tokens);
-  const int64_t runs = static_cast<int64_t>(starts.size()) - 1;
+  plan.starts.push_back(tokens);
+  plan.runs.resize(plan.starts.size() - 1);
+  const int64_t grain = std::max<int64_t>(1, kFeaturesPerThread / std::max<int64_t>(visibility.kv_length, 1));
+  at::parallel_for(0, static_cast<int64_t>(plan.runs.size()), grain, [&](int64_t begin, int64_t end) {
+    std::vector<const bool*> visible;
+    for (int64_t run = begin; run < end; ++run) {
+      visible.clear();
+      for (int64_t t = plan.starts[run]; t < plan.starts[run + 1]; ++t) {
+        visible.push_back(visibility.visible +
+                          (visibility.token_tree[t] * visibility.width + visibility.token_offset[t]) *
+                              visibility.kv_length);
+      }
+      see_run(visible.data(), static_cast<int64_t>(visible.size()), visibility.kv_length, plan.runs[run]);
+    }
+  });
+  return plan;
+}
+
+void attend(const float* query, int64_t heads, const CacheView& cache, const AttentionPlan& plan, float scaling,
+            float softcap, float* out) {
+  const Visibility& visibility = plan.visibility;
+  const int64_t group = heads / cache.kv_heads, dim = cache.head_dim, tokens = plan.tokens;
+  const std::vector<int64_t>& starts = plan.starts;
+  constexpr int64_t kHeadMajorRuns = 8;
+  const int64_t runs = static_cast<int64_t>(plan.runs.size());
   // Runs in the order first, last, second, second to last...: a thread takes a contiguous share of the
   // items, and a prompt's later runs see more keys, so in cache order the last of two threads would get
   // three times the first's work in a causal chunk (docs/runner.md). A pass of a few runs takes them
   // head by head (item i: head i / runs), so that a thread reads a head's keys and values once for all
   // its runs of a row, where run by run each thread read every head's (passes of 5-9 tokens 1-3%
   // faster on an AMD EPYC Zen 4 host; docs/runner.md); a prompt's chunk, run by run (item i: head i %
-  // kv_heads), so that a thread keeps one run's keys and masks at a time, not all of them.
+  // kv_heads), so that a thread reads one run's keys and masks at a time.
   const bool by_head = runs <= kHeadMajorRuns;
   const int64_t items = runs * cache.kv_heads;
   // Items of about 64k multiply-adds or more per thread: below that, threads cost more than they save.
@@ -707,24 +730,11 @@ void attend(const float* query, int64_t tokens, int64_t heads, const CacheView& 
   const auto attend_run_of = dim == 64 ? attend_run<4> : dim == 128 ? attend_run<8> : attend_run<0>;
   at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
     AttentionScratch scratch;
-    std::vector<RunKeys> run_keys(by_head ? runs : 1);  // by head: every run's, else the current run's
-    std::vector<const bool*> visible;
     for (int64_t item = bounds[first_thread]; item < bounds[last_thread]; ++item) {
       const int64_t run = run_of_item(item), kv_head = by_head ? item / runs : item % cache.kv_heads;
       const int64_t first = starts[run], count = starts[run + 1] - first;
-      RunKeys& keys = run_keys[by_head ? run : 0];
-      if (keys.run != run) {
-        visible.clear();
-        for (int64_t t = first; t < first + count; ++t) {
-          visible.push_back(visibility.visible +
-                            (visibility.token_tree[t] * visibility.width + visibility.token_offset[t]) *
-                                visibility.kv_length);
-        }
-        see_run(visible.data(), count, visibility.kv_length, scratch, keys);
-        keys.run = run;
-      }
       attend_run_of(query + first * heads * dim, count, heads, group, kv_head, cache, visibility.token_row[first],
-                    scaling, softcap, out + first * heads * dim, keys, scratch);
+                    scaling, softcap, out + first * heads * dim, plan.runs[run], scratch);
     }
   });
 }
