@@ -435,3 +435,42 @@ def test_whole_compiled_layers_compute_the_bits_of_the_layer_by_layer_path(
             for row, path in zip(rows, kept, strict=True):
                 runner.cache.commit(row, path)
     assert all(counter.calls > 0 for counter in counters)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_a_stream_per_thread_computes_the_bits_of_one_stream(family, on_cpu, monkeypatch):
+    """Passes of a few rows keep the residual stream once per thread, each thread adding the last
+    product's output and norming its own copy (DecoderStack); a prompt of 300 rows, or one thread,
+    keeps one stream. Caches and logits must be the same bits either way."""
+    import numpy as np
+
+    from reader_spec.engine import weights as weights_module
+
+    compiled = weights_module.Kernel.COMPILED
+    monkeypatch.setattr(weights_module, "_fastest_kernel", lambda matrices, rows, same_pass: compiled)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
+    threads = torch.get_num_threads()
+    caches, logits = [], []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            runner = ModelRunner(copy.deepcopy(model), num_rows=2, capacity=320, runner="fast")
+            assert runner.decoder.stack is not None
+            rng = np.random.default_rng(4)
+            runner.prefill(0, rng.integers(0, VOCAB, 300).tolist())  # one stream at any thread count
+            runner.prefill(1, rng.integers(0, VOCAB, 7).tolist())
+            passes = []
+            for _ in range(3):
+                drafts = [random_tree_on_path(rng.integers(0, VOCAB, 3).tolist(), rng) for _ in range(2)]
+                passes.append(runner.verify([tree for tree, _ in drafts], [0, 1]))
+                for row, (_, path) in enumerate(drafts):
+                    runner.cache.commit(row, path[:2])
+            caches.append([layer.keys.clone() for layer in runner.cache.layers])
+            logits.append(passes)
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*caches, strict=True):
+        assert torch.equal(one, two)
+    for one, two in zip(*logits, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))

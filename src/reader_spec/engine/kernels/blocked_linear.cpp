@@ -257,71 +257,62 @@ int64_t rows_bytes_in_l2() {
   return bytes;
 }
 
-// y = x @ W.T (+ bias) for `rows` rows of x side by side, a range of blocks of columns (a thread's
-// share) times every tile of rows. Many rows (a prompt's chunk) are taken a share at a time, as many
-// tiles as L2 holds beside a block, each share times every block: otherwise every block reads all of
-// x, from L3 once x outgrows L2 (512 rows of 576 features: 1.2 MB per block of 72 KB).
-class Product {
- public:
-  Product(const float* x, int64_t rows, const float* w, int64_t k_size, const float* bias, float* y,
-          int64_t out_features, bool ahead)
-      : x_(x), w_(w), bias_(bias), y_(y), k_size_(k_size), out_features_(out_features), ahead_(ahead),
-        rows_(rows), sizes_(tile_sizes(rows)), starts_(sizes_.size() + 1, 0) {
-    for (size_t t = 0; t < sizes_.size(); ++t) starts_[t + 1] = starts_[t] + sizes_[t];
-    const int64_t row_bytes = k_size * static_cast<int64_t>(sizeof(float));
-    tiles_per_share_ = std::max<int64_t>(1, rows_bytes_in_l2() / (row_bytes * kMaxRows));
-  }
+}  // namespace
 
-  int64_t blocks() const { return (out_features_ + kBlock - 1) / kBlock; }
+namespace reader_spec {
 
-  // Blocks [begin, end) times every tile of rows.
-  void multiply(int64_t begin, int64_t end) const {
-    const int64_t tiles = static_cast<int64_t>(sizes_.size());
-    const int64_t block_stride = k_size_ * kBlock;
-    const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(float));
+Product::Product(const float* x, int64_t rows, const float* w, int64_t k_size, const float* bias, float* y,
+                 int64_t out_features, bool ahead)
+    : x_(x), w_(w), bias_(bias), y_(y), k_size_(k_size), out_features_(out_features), ahead_(ahead), rows_(rows),
+      sizes_(tile_sizes(rows)), starts_(sizes_.size() + 1, 0) {
+  for (size_t t = 0; t < sizes_.size(); ++t) starts_[t + 1] = starts_[t] + sizes_[t];
+  const int64_t row_bytes = k_size * static_cast<int64_t>(sizeof(float));
+  tiles_per_share_ = std::max<int64_t>(1, rows_bytes_in_l2() / (row_bytes * kMaxRows));
+}
+
+// Many rows (a prompt's chunk) are taken a share at a time, as many tiles as L2 holds beside a block,
+// each share times every block: otherwise every block reads all of x, from L3 once x outgrows L2 (512
+// rows of 576 features: 1.2 MB per block of 72 KB).
+void Product::multiply(int64_t begin, int64_t end) const {
+  const int64_t tiles = static_cast<int64_t>(sizes_.size());
+  const int64_t block_stride = k_size_ * kBlock;
+  const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(float));
 #if !defined(__AVX512F__) && defined(__AVX__)
-    std::vector<HalfBlockSums> held;
+  std::vector<HalfBlockSums> held;
 #endif
-    for (int64_t first_tile = 0; first_tile < tiles; first_tile += tiles_per_share_) {
-      const int64_t last_tile = std::min(tiles, first_tile + tiles_per_share_);
-      const int64_t share_tiles = last_tile - first_tile;
-      for (int64_t b = begin; b < end; ++b) {
-        const int64_t column = b * kBlock;
-        const float* bias = bias_ == nullptr ? nullptr : bias_ + column;
+  for (int64_t first_tile = 0; first_tile < tiles; first_tile += tiles_per_share_) {
+    const int64_t last_tile = std::min(tiles, first_tile + tiles_per_share_);
+    const int64_t share_tiles = last_tile - first_tile;
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t column = b * kBlock;
+      const float* bias = bias_ == nullptr ? nullptr : bias_ + column;
 #if !defined(__AVX512F__) && defined(__AVX__)
-        if (rows_ > kStreamRows) {
-          interleaved_block(sizes_, starts_, first_tile, last_tile, x_, k_size_, w_ + b * block_stride, bias,
-                            y_ + column, out_features_, std::min(kBlock, out_features_ - column), held);
-          continue;
-        }
+      if (rows_ > kStreamRows) {
+        interleaved_block(sizes_, starts_, first_tile, last_tile, x_, k_size_, w_ + b * block_stride, bias,
+                          y_ + column, out_features_, std::min(kBlock, out_features_ - column), held);
+        continue;
+      }
 #endif
-        for (int64_t t = first_tile; t < last_tile; ++t) {
-          // One tile reads its block from memory itself (prefetching a few k ahead); several share the
-          // fetching of this thread's next block.
-          NextBlock next;
-          if (share_tiles > 1 && b + 1 < end) {
-            const int64_t share = block_bytes / share_tiles;
-            next.bytes = reinterpret_cast<const char*>(w_ + (b + 1) * block_stride) + (t - first_tile) * share;
-            next.step = (share << 16) / k_size_;
-          }
-          rows_tile(sizes_[t], x_ + starts_[t] * k_size_, k_size_, w_ + b * block_stride, k_size_, bias,
-                    y_ + starts_[t] * out_features_ + column, out_features_, std::min(kBlock, out_features_ - column),
-                    next, ahead_);
+      for (int64_t t = first_tile; t < last_tile; ++t) {
+        // One tile reads its block from memory itself (prefetching a few k ahead); several share the
+        // fetching of this thread's next block.
+        NextBlock next;
+        if (share_tiles > 1 && b + 1 < end) {
+          const int64_t share = block_bytes / share_tiles;
+          next.bytes = reinterpret_cast<const char*>(w_ + (b + 1) * block_stride) + (t - first_tile) * share;
+          next.step = (share << 16) / k_size_;
         }
+        rows_tile(sizes_[t], x_ + starts_[t] * k_size_, k_size_, w_ + b * block_stride, k_size_, bias,
+                  y_ + starts_[t] * out_features_ + column, out_features_, std::min(kBlock, out_features_ - column),
+                  next, ahead_);
       }
     }
   }
+}
 
- private:
-  const float *x_, *w_, *bias_;
-  float* y_;
-  int64_t k_size_, out_features_;
-  bool ahead_;
-  int64_t rows_;
-  std::vector<int> sizes_;
-  std::vector<int64_t> starts_;
-  int64_t tiles_per_share_;
-};
+}  // namespace reader_spec
+
+namespace {
 
 at::Tensor blocked_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                           int64_t out_features, bool ahead) {
@@ -372,17 +363,6 @@ void blocked_product(const float* x, int64_t rows, const float* weight, int64_t 
                      int64_t out_features, bool ahead) {
   const Product product(x, rows, weight, k_size, bias, y, out_features, ahead);
   at::parallel_for(0, product.blocks(), 1, [&](int64_t begin, int64_t end) { product.multiply(begin, end); });
-}
-
-void paired_product(const float* x, int64_t rows, const float* weight, int64_t k_size, float* y, int64_t out_features,
-                    bool ahead, int64_t second, int64_t pairs, const std::function<void(int64_t, int64_t)>& done) {
-  const Product product(x, rows, weight, k_size, nullptr, y, out_features, ahead);
-  TORCH_CHECK(pairs >= 0 && second >= pairs && second + pairs <= product.blocks(), "paired_product: pairs outside the blocks");
-  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    product.multiply(begin, end);
-    product.multiply(second + begin, second + end);
-    done(begin, end);
-  });
 }
 
 }  // namespace

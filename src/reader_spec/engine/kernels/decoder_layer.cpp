@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -73,10 +74,17 @@ struct Linear : torch::CustomClassHolder {
     }
   }
 
-  // Whether operator() with `kernel` multiplies with paired_product, with pairs of blocks `second`
-  // columns apart: the float32 compiled kernel, without a bias.
+  // Whether `kernel` is the float32 compiled product, which a caller can split itself (Product).
+  bool splits(int64_t kernel) const { return kernel != 0 && !scales.defined(); }
+
+  // Whether the product can run a pair of blocks `second` columns apart on one thread (gate and up).
   bool pairs_blocks(int64_t kernel, int64_t second) const {
-    return kernel != 0 && !scales.defined() && !bias.defined() && second % reader_spec::kBlock == 0;
+    return splits(kernel) && !bias.defined() && second % reader_spec::kBlock == 0;
+  }
+
+  reader_spec::Product share(const float* x, int64_t rows, float* y, int64_t kernel) const {
+    return {x, rows, weight.data_ptr<float>(), in_features, bias.defined() ? bias.data_ptr<float>() : nullptr, y,
+            out_features, kernel == 2};
   }
 
   // y = x W^T + b for `rows` rows through `kernel`, as PackedLinear.kernel_at chose it for this many
@@ -110,6 +118,21 @@ at::Tensor checked_norm(const at::Tensor& weight, int64_t features, const char* 
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.numel() == features, name,
               " must be a float32 CPU vector of ", features);
   return weight.contiguous();
+}
+
+// The residual stream once per thread, in passes of a few rows: thread t of `threads` adds the
+// previous product's output to streams[t] and norms it into normed[t] itself, then multiplies its
+// share of the next product's blocks. With one stream, one thread normed it (reading the other
+// threads' parts of the output from their cores), and then each other thread read the normed rows
+// from that thread's core: two transfers between cores one after the other, at every norm.
+struct ThreadStreams {
+  int64_t threads = 0;  // 0: one stream, the caller's
+  std::vector<float*> streams, normed;
+};
+
+// Thread `thread`'s share of `units`: [first, last).
+std::pair<int64_t, int64_t> share_of(int64_t units, int64_t thread, int64_t threads) {
+  return {units * thread / threads, units * (thread + 1) / threads};
 }
 
 struct DecoderLayer : torch::CustomClassHolder {
@@ -155,14 +178,35 @@ struct DecoderLayer : torch::CustomClassHolder {
                 "the parts of the fused products lie outside them");
   }
 
+  // Whether this layer can run with a stream per thread at these kernels: the products after the
+  // norms split by the caller.
+  bool norms_per_thread(const int64_t kernels[4]) const {
+    return qkv->splits(kernels[0]) && gate_up->pairs_blocks(kernels[2], up_start);
+  }
+
+  // On every thread t: streams[t] += delta (where not null), normed[t] = its norm, then then(normed[t], t).
+  template <typename Then>
+  void per_thread_norm(const ThreadStreams& per_thread, const float* delta, const at::Tensor& weight, int64_t tokens,
+                       int64_t features, const Then& then) const {
+    at::parallel_for(0, per_thread.threads, 1, [&](int64_t first, int64_t last) {
+      for (int64_t t = first; t < last; ++t) {
+        reader_spec::add_rms_norm_rows(per_thread.streams[t], delta, weight.data_ptr<float>(), epsilon, tokens,
+                                       features, per_thread.normed[t]);
+        then(per_thread.normed[t], t);
+      }
+    });
+  }
+
   // hidden: [tokens, hidden], the residual stream, to which `residual` (the previous layer's output,
   // if any) is added in place. cos, sin: [tokens, head_dim]. Token t is written at
   // (plan.visibility.token_row[t], position[t]) of the cache and attends as the plan says (see
   // attend). Returns this layer's MLP output, which the next layer adds. `kernels`: for qkv, output,
-  // gate_up and down, which kernel multiplies this many rows (Linear's operator()).
+  // gate_up and down, which kernel multiplies this many rows (Linear's operator()). `per_thread`: a
+  // stream per thread, the first `hidden` (threads 0: `hidden` alone).
   at::Tensor run(const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& cos,
                  const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                 const int64_t* positions, const reader_spec::AttentionPlan& plan, const int64_t kernels[4]) {
+                 const int64_t* positions, const reader_spec::AttentionPlan& plan, const int64_t kernels[4],
+                 const ThreadStreams& per_thread) {
     const int64_t tokens = hidden.size(0), features = hidden.size(1);
     TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.dim() == 2 &&
                     features == input_norm.numel(),
@@ -185,13 +229,21 @@ struct DecoderLayer : torch::CustomClassHolder {
                 "the plan's tokens or keys do not fit this layer's cache");
     const int64_t* rows = plan.visibility.token_row;
     const at::TensorOptions options = hidden.options();
-    at::Tensor normed = at::empty({tokens, features}, options);
+    const at::Tensor normed = per_thread.threads > 0 ? at::Tensor() : at::empty({tokens, features}, options);
     float* h = hidden.data_ptr<float>();
-    reader_spec::add_rms_norm_rows(h, added.defined() ? added.data_ptr<float>() : nullptr,
-                                   input_norm.data_ptr<float>(), epsilon, tokens, features, normed.data_ptr<float>());
+    const float* delta = added.defined() ? added.data_ptr<float>() : nullptr;
     at::Tensor projected = at::empty({tokens, qkv->out_features}, options);
     float* p = projected.data_ptr<float>();
-    (*qkv)(normed.data_ptr<float>(), tokens, p, kernels[0]);
+    if (per_thread.threads > 0) {
+      per_thread_norm(per_thread, delta, input_norm, tokens, features, [&](const float* x, int64_t t) {
+        const auto [first, last] = share_of(qkv->weight.size(0), t, per_thread.threads);
+        qkv->share(x, tokens, p, kernels[0]).multiply(first, last);
+      });
+    } else {
+      reader_spec::add_rms_norm_rows(h, delta, input_norm.data_ptr<float>(), epsilon, tokens, features,
+                                     normed.data_ptr<float>());
+      (*qkv)(normed.data_ptr<float>(), tokens, p, kernels[0]);
+    }
     at::Tensor queries = at::empty({tokens, heads, head_dim}, options);
     reader_spec::for_rows(tokens, (heads + 2 * kv_heads) * head_dim, [&](int64_t t) {
       float* query_key = p + t * qkv->out_features;
@@ -210,29 +262,36 @@ struct DecoderLayer : torch::CustomClassHolder {
                         attended.data_ptr<float>());
     at::Tensor out = at::empty({tokens, features}, options);
     (*output)(attended.data_ptr<float>(), tokens, out.data_ptr<float>(), kernels[1]);
-    reader_spec::add_rms_norm_rows(h, out.data_ptr<float>(), mlp_norm.data_ptr<float>(), epsilon, tokens, features,
-                                   normed.data_ptr<float>());
     at::Tensor gated = at::empty({tokens, gate_up->out_features}, options);
     at::Tensor activated = at::empty({tokens, intermediate}, options);
-    if (gate_up->pairs_blocks(kernels[2], up_start)) {
-      // Each thread gates the features whose gate and up columns it has just multiplied, from its own
-      // core's caches (silu_mul_rows read half of them from the other core's).
-      const float* gate = gated.data_ptr<float>();
-      float* gated_out = activated.data_ptr<float>();
-      reader_spec::paired_product(normed.data_ptr<float>(), tokens, gate_up->weight.data_ptr<float>(),
-                                  gate_up->in_features, gated.data_ptr<float>(), gate_up->out_features,
-                                  kernels[2] == 2, up_start / reader_spec::kBlock,
-                                  (intermediate + reader_spec::kBlock - 1) / reader_spec::kBlock,
-                                  [&](int64_t begin, int64_t end) {
-                                    reader_spec::silu_mul_features(
-                                        gate, gate + up_start, gate_up->out_features, tokens, intermediate,
-                                        begin * reader_spec::kBlock,
-                                        std::min(end * reader_spec::kBlock, intermediate), gated_out);
-                                  });
+    // Each thread gates the features whose gate and up columns it has just multiplied, from its own
+    // core's caches (silu_mul_rows read half of them from the other core's).
+    const int64_t pairs = (intermediate + reader_spec::kBlock - 1) / reader_spec::kBlock;
+    auto gate_and_up = [&](const float* x, int64_t first, int64_t last) {
+      const reader_spec::Product product = gate_up->share(x, tokens, gated.data_ptr<float>(), kernels[2]);
+      product.multiply(first, last);
+      product.multiply(up_start / reader_spec::kBlock + first, up_start / reader_spec::kBlock + last);
+      reader_spec::silu_mul_features(gated.data_ptr<float>(), gated.data_ptr<float>() + up_start,
+                                     gate_up->out_features, tokens, intermediate, first * reader_spec::kBlock,
+                                     std::min(last * reader_spec::kBlock, intermediate), activated.data_ptr<float>());
+    };
+    if (per_thread.threads > 0) {
+      per_thread_norm(per_thread, out.data_ptr<float>(), mlp_norm, tokens, features, [&](const float* x, int64_t t) {
+        const auto [first, last] = share_of(pairs, t, per_thread.threads);
+        gate_and_up(x, first, last);
+      });
     } else {
-      (*gate_up)(normed.data_ptr<float>(), tokens, gated.data_ptr<float>(), kernels[2]);
-      reader_spec::silu_mul_rows(gated.data_ptr<float>(), gated.data_ptr<float>() + up_start,
-                                 gate_up->out_features, tokens, intermediate, activated.data_ptr<float>());
+      reader_spec::add_rms_norm_rows(h, out.data_ptr<float>(), mlp_norm.data_ptr<float>(), epsilon, tokens,
+                                     features, normed.data_ptr<float>());
+      if (gate_up->pairs_blocks(kernels[2], up_start)) {
+        at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
+          gate_and_up(normed.data_ptr<float>(), first, last);
+        });
+      } else {
+        (*gate_up)(normed.data_ptr<float>(), tokens, gated.data_ptr<float>(), kernels[2]);
+        reader_spec::silu_mul_rows(gated.data_ptr<float>(), gated.data_ptr<float>() + up_start,
+                                   gate_up->out_features, tokens, intermediate, activated.data_ptr<float>());
+      }
     }
     (*down)(activated.data_ptr<float>(), tokens, out.data_ptr<float>(), kernels[3]);
     return out;
@@ -298,6 +357,26 @@ struct DecoderStack : torch::CustomClassHolder {
       plans.push_back(reader_spec::plan_attention(
           {seen.data_ptr<bool>(), seen.size(1), seen.size(2), trees, offsets, rows}, tokens));
     }
+    // A stream per thread where a norm's rows would be normed on one thread anyway (a few of them) and
+    // every layer's products after its norms can be split by the layer.
+    const int64_t threads = at::get_num_threads();
+    bool per_thread =
+        threads > 1 && hidden.is_contiguous() && tokens * hidden.size(1) <= reader_spec::kFeaturesPerThread;
+    for (size_t i = 0; i < count && per_thread; ++i) {
+      const int64_t layer_kernels[4] = {kernels.get(4 * i), 0, kernels.get(4 * i + 2), 0};
+      per_thread = layers[i]->norms_per_thread(layer_kernels);
+    }
+    ThreadStreams streams;
+    std::vector<at::Tensor> held;  // the other threads' streams and every thread's normed rows
+    if (per_thread) {
+      streams.threads = threads;
+      held.push_back(at::empty({threads, hidden.size(0), hidden.size(1)}, hidden.options()));
+      for (int64_t t = 0; t < threads; ++t) {
+        streams.streams.push_back(t == 0 ? hidden.data_ptr<float>()
+                                         : held.emplace_back(hidden.clone()).data_ptr<float>());
+        streams.normed.push_back(held[0][t].data_ptr<float>());
+      }
+    }
     c10::optional<at::Tensor> residual;
     for (size_t i = 0; i < count; ++i) {
       TORCH_CHECK(key_caches[i].size(0) == cache_rows, "every layer's cache has the same rows");
@@ -305,7 +384,7 @@ struct DecoderStack : torch::CustomClassHolder {
                                         kernels.get(4 * i + 3)};
       const int64_t kind = kinds[i];
       residual = layers[i]->run(hidden, residual, cos[kind], sin[kind], key_caches[i], value_caches[i], positions,
-                                plans[kind], layer_kernels);
+                                plans[kind], layer_kernels, streams);
     }
     at::Tensor normed = at::empty(hidden.sizes(), hidden.options());
     reader_spec::add_rms_norm_rows(hidden.data_ptr<float>(), residual->data_ptr<float>(), final_norm.data_ptr<float>(),

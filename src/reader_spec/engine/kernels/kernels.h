@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <type_traits>
 #include <vector>
 
@@ -177,12 +176,28 @@ constexpr int64_t kBlock = 32;
 void blocked_product(const float* x, int64_t rows, const float* weight, int64_t k_size, const float* bias, float* y,
                      int64_t out_features, bool ahead);
 
-// blocked_product over pairs of blocks, b and `second` + b for b < `pairs` (a fused gate/up matrix:
-// a gate's columns and the up columns they multiply): each thread takes a range [begin, end) of b,
-// multiplies both blocks of each, and calls `done(begin, end)`, which can then use those columns
-// while they are in its own core's caches.
-void paired_product(const float* x, int64_t rows, const float* weight, int64_t k_size, float* y, int64_t out_features,
-                    bool ahead, int64_t second, int64_t pairs, const std::function<void(int64_t, int64_t)>& done);
+// blocked_product a share at a time, for callers that split the blocks between threads themselves
+// (a thread can then use its columns while they are in its own core's caches).
+class Product {
+ public:
+  Product(const float* x, int64_t rows, const float* weight, int64_t k_size, const float* bias, float* y,
+          int64_t out_features, bool ahead);
+
+  int64_t blocks() const { return (out_features_ + kBlock - 1) / kBlock; }
+
+  // Blocks [begin, end) times every row.
+  void multiply(int64_t begin, int64_t end) const;
+
+ private:
+  const float *x_, *w_, *bias_;
+  float* y_;
+  int64_t k_size_, out_features_;
+  bool ahead_;
+  int64_t rows_;
+  std::vector<int> sizes_;  // how the rows are cut into tiles
+  std::vector<int64_t> starts_;
+  int64_t tiles_per_share_;
+};
 
 // Integer products (integer_product.cpp): int8 weights with a float32 scale per column, W[n] ~
 // scale[n] q[n], stored per block of 32 columns in groups of 4 k as unsigned bytes q + 128

@@ -614,7 +614,8 @@ void add_rms_norm_rows(float* hidden, const float* delta, const float* weight, f
 }
 
 // One row's features [begin, end): vectors of 16 up to the last whole one of the row, then scalars.
-static void silu_mul_span(const float* gate, const float* up, int64_t features, int64_t begin, int64_t end, float* out) {
+static void silu_mul_span(const float* gate, const float* up, int64_t features, int64_t begin, int64_t end,
+                          float* out) {
   const int64_t vectors = std::min(end, features / kLanes * kLanes);
   int64_t i = begin;
   for (; i < vectors; i += kLanes) {
