@@ -438,10 +438,12 @@ def test_whole_compiled_layers_compute_the_bits_of_the_layer_by_layer_path(
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
-def test_a_stream_per_thread_computes_the_bits_of_one_stream(family, on_cpu, monkeypatch):
-    """Passes of a few rows keep the residual stream once per thread, each thread adding the last
-    product's output and norming its own copy (DecoderStack); a prompt of 300 rows, or one thread,
-    keeps one stream. Caches and logits must be the same bits either way."""
+def test_a_team_of_threads_computes_the_bits_of_one_thread(family, on_cpu, monkeypatch):
+    """Passes of a few rows run every layer as one team of threads (DecoderStack): each thread keeps
+    its own copy of the residual stream, adds the last product's output and norms it, and takes its
+    share of every step, the threads waiting for each other between steps; a prompt of 300 rows, or
+    one thread, runs step by step on one stream. Caches and logits must be the same bits at one, two
+    and three threads (three: shares of unequal sizes)."""
     import numpy as np
 
     from reader_spec.engine import weights as weights_module
@@ -453,7 +455,7 @@ def test_a_stream_per_thread_computes_the_bits_of_one_stream(family, on_cpu, mon
     threads = torch.get_num_threads()
     caches, logits = [], []
     try:
-        for count in (1, 2):
+        for count in (1, 2, 3):
             torch.set_num_threads(count)
             runner = ModelRunner(copy.deepcopy(model), num_rows=2, capacity=320, runner="fast")
             assert runner.decoder.stack is not None
@@ -470,7 +472,8 @@ def test_a_stream_per_thread_computes_the_bits_of_one_stream(family, on_cpu, mon
             logits.append(passes)
     finally:
         torch.set_num_threads(threads)
-    for one, two in zip(*caches, strict=True):
-        assert torch.equal(one, two)
-    for one, two in zip(*logits, strict=True):
-        assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+    for threads_caches, threads_logits in zip(caches[1:], logits[1:], strict=True):
+        for one, many in zip(caches[0], threads_caches, strict=True):
+            assert torch.equal(one, many)
+        for one, many in zip(logits[0], threads_logits, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(one, many, strict=True))

@@ -8,6 +8,8 @@
 // evicts their code and data from the caches, so at a few rows those gaps were a quarter of a pass.
 // Here nothing runs between the ops but the ops themselves, which are the same functions (kernels.h):
 // a layer's output is bitwise the Python layer's.
+#include <ATen/Config.h>
+#include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -16,7 +18,18 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstring>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -120,20 +133,120 @@ at::Tensor checked_norm(const at::Tensor& weight, int64_t features, const char* 
   return weight.contiguous();
 }
 
-// The residual stream once per thread, in passes of a few rows: thread t of `threads` adds the
-// previous product's output to streams[t] and norms it into normed[t] itself, then multiplies its
-// share of the next product's blocks. With one stream, one thread normed it (reading the other
-// threads' parts of the output from their cores), and then each other thread read the normed rows
-// from that thread's core: two transfers between cores one after the other, at every norm.
-struct ThreadStreams {
-  int64_t threads = 0;  // 0: one stream, the caller's
-  std::vector<float*> streams, normed;
+// Threads that already run together (one parallel region for a whole pass) waiting for each other
+// between the steps of a layer: a counter and a generation number in shared memory, spun on. A wait
+// costs a cache line's round trip between the cores; ending a parallel region and starting the next
+// cost about ten times that (an empty region 0.6-0.8 us, a wait 40 ns on an AMD EPYC Zen 4 host, and
+// 150 empty regions added to a pass made it 1-2% slower; docs/runner.md, "Session 51"). As OpenMP's
+// own barriers, a member spins (a few ms, as libgomp by default) before it sleeps: yielding the core
+// instead, while another process ran on it, made passes 3x slower.
+class SpinBarrier {
+ public:
+  // Called first by every member of a parallel_for over [0, total) with its chunk [first, last): the
+  // members are the chunks, whose size only the first chunk's member knows for sure (OpenMP may give
+  // the region fewer threads than asked, and a nested region runs all of it on one thread).
+  void join(int64_t first, int64_t last, int64_t total) {
+    if (first == 0) {
+      parties_.store(static_cast<int32_t>((total + last - first - 1) / (last - first)), std::memory_order_release);
+      wake(parties_);
+    } else {
+      until(parties_, 0);
+    }
+  }
+
+  // Returns once every member has called it as many times.
+  void wait() {
+    const int32_t parties = parties_.load(std::memory_order_relaxed);
+    if (parties == 1) return;
+    const int32_t generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == parties - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(static_cast<int32_t>(static_cast<uint32_t>(generation) + 1), std::memory_order_seq_cst);
+      wake(generation_);
+    } else {
+      until(generation_, generation);
+    }
+  }
+
+ private:
+  static constexpr int kSpins = 1 << 18;  // pauses: about 6 ms on the Zen 4 host (25 ns each)
+
+  // Returns once `word` is no longer `value`.
+  void until(std::atomic<int32_t>& word, int32_t value) {
+    for (int spins = 0; spins < kSpins; ++spins) {
+      if (word.load(std::memory_order_acquire) != value) return;
+#if defined(__x86_64__) || defined(__i386__)
+      __builtin_ia32_pause();
+#elif defined(__aarch64__)
+      __asm__ __volatile__("yield");
+#endif
+    }
+    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+    while (word.load(std::memory_order_seq_cst) == value) {
+#ifdef __linux__  // sleeps unless the word has changed already (the kernel looks under its lock)
+      syscall(SYS_futex, reinterpret_cast<int32_t*>(&word), FUTEX_WAIT_PRIVATE, value, nullptr, nullptr, 0);
+#else
+      std::this_thread::yield();
+#endif
+    }
+    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+  }
+
+  // After `word` changed: wakes the members asleep on it (a sleeper counts itself before it looks at
+  // the word for the last time, so either it sees the change or it is counted here).
+  void wake(std::atomic<int32_t>& word) {
+#ifdef __linux__
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      syscall(SYS_futex, reinterpret_cast<int32_t*>(&word), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+    }
+#else
+    (void)word;
+#endif
+  }
+
+  static_assert(sizeof(std::atomic<int32_t>) == sizeof(int32_t), "a futex is a plain 32-bit word");
+  alignas(64) std::atomic<int32_t> parties_{0};
+  alignas(64) std::atomic<int32_t> arrived_{0};
+  alignas(64) std::atomic<int32_t> generation_{0};
+  alignas(64) std::atomic<int32_t> sleepers_{0};
 };
 
-// Thread `thread`'s share of `units`: [first, last).
-std::pair<int64_t, int64_t> share_of(int64_t units, int64_t thread, int64_t threads) {
-  return {units * thread / threads, units * (thread + 1) / threads};
+// The CPUs this process may run on: a team of more threads than that would wait at every step for
+// members that are not running (a pass at 4 threads on 2 CPUs: 19 -> 740 ms).
+int64_t usable_cpus() {
+  static const int64_t cpus = [] {
+#ifdef __linux__
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return static_cast<int64_t>(CPU_COUNT(&set));
+#endif
+    return static_cast<int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+  }();
+  return cpus;
 }
+
+// One member of a pass's team: it does the shares of threads [first, last) of `threads` (one each
+// unless the region got fewer threads than asked).
+struct Member {
+  int64_t first, last, threads;
+  SpinBarrier* barrier;
+
+  // Its share of `units` (blocks of a product, tokens): [begin, end).
+  std::pair<int64_t, int64_t> share(int64_t units) const {
+    return {units * first / threads, units * last / threads};
+  }
+
+  void wait() const { barrier->wait(); }
+};
+
+// What a team's pass works in, allocated once for all its layers. The residual stream once per
+// thread: each member adds a layer's output to its own copy and norms its own rows, then multiplies
+// its share of the next product. With one stream, one thread normed it (reading the other threads'
+// parts of the output from their cores), and then each other thread read the normed rows from that
+// thread's core: two transfers between cores one after the other, at every norm (session 50).
+struct TeamBuffers {
+  std::vector<float*> streams, normed;  // per thread
+  float *projected, *queries, *attended, *out, *gated, *activated;
+};
 
 struct DecoderLayer : torch::CustomClassHolder {
   at::Tensor input_norm, query_norm, key_norm, mlp_norm;
@@ -178,44 +291,20 @@ struct DecoderLayer : torch::CustomClassHolder {
                 "the parts of the fused products lie outside them");
   }
 
-  // Whether this layer can run with a stream per thread at these kernels: the products after the
-  // norms split by the caller.
-  bool norms_per_thread(const int64_t kernels[4]) const {
-    return qkv->splits(kernels[0]) && gate_up->pairs_blocks(kernels[2], up_start);
+  // Whether a team can run this layer at these kernels: every product split by its members.
+  bool runs_in_team(const int64_t kernels[4]) const {
+    return qkv->splits(kernels[0]) && output->splits(kernels[1]) && gate_up->pairs_blocks(kernels[2], up_start) &&
+           down->splits(kernels[3]);
   }
 
-  // On every thread t: streams[t] += delta (where not null), normed[t] = its norm, then then(normed[t], t).
-  template <typename Then>
-  void per_thread_norm(const ThreadStreams& per_thread, const float* delta, const at::Tensor& weight, int64_t tokens,
-                       int64_t features, const Then& then) const {
-    at::parallel_for(0, per_thread.threads, 1, [&](int64_t first, int64_t last) {
-      for (int64_t t = first; t < last; ++t) {
-        reader_spec::add_rms_norm_rows(per_thread.streams[t], delta, weight.data_ptr<float>(), epsilon, tokens,
-                                       features, per_thread.normed[t]);
-        then(per_thread.normed[t], t);
-      }
-    });
-  }
-
-  // hidden: [tokens, hidden], the residual stream, to which `residual` (the previous layer's output,
-  // if any) is added in place. cos, sin: [tokens, head_dim]. Token t is written at
-  // (plan.visibility.token_row[t], position[t]) of the cache and attends as the plan says (see
-  // attend). Returns this layer's MLP output, which the next layer adds. `kernels`: for qkv, output,
-  // gate_up and down, which kernel multiplies this many rows (Linear's operator()). `per_thread`: a
-  // stream per thread, the first `hidden` (threads 0: `hidden` alone).
-  at::Tensor run(const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& cos,
-                 const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                 const int64_t* positions, const reader_spec::AttentionPlan& plan, const int64_t kernels[4],
-                 const ThreadStreams& per_thread) {
-    const int64_t tokens = hidden.size(0), features = hidden.size(1);
+  // The cache this layer writes and reads, checked against the pass's inputs.
+  CacheView checked_cache(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& key_cache, const at::Tensor& value_cache,
+                          const reader_spec::AttentionPlan& plan) const {
+    const int64_t tokens = hidden.size(0);
     TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.dim() == 2 &&
-                    features == input_norm.numel(),
+                    hidden.size(1) == input_norm.numel(),
                 "hidden must be a contiguous float32 [tokens, ", input_norm.numel(), "]");
-    at::Tensor added;
-    if (residual.has_value() && residual->defined()) {
-      added = residual->contiguous();
-      TORCH_CHECK(added.sizes() == hidden.sizes() && added.scalar_type() == at::kFloat, "residual must be like hidden");
-    }
     TORCH_CHECK(key_cache.scalar_type() == at::kFloat && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                     key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes() &&
                     key_cache.size(1) == kv_heads && key_cache.size(3) == head_dim,
@@ -227,74 +316,126 @@ struct DecoderLayer : torch::CustomClassHolder {
                 "cos and sin must be contiguous float32 [tokens, head_dim]");
     TORCH_CHECK(plan.visibility.kv_length <= cache.capacity && plan.tokens == tokens,
                 "the plan's tokens or keys do not fit this layer's cache");
-    const int64_t* rows = plan.visibility.token_row;
-    const at::TensorOptions options = hidden.options();
-    const at::Tensor normed = per_thread.threads > 0 ? at::Tensor() : at::empty({tokens, features}, options);
-    float* h = hidden.data_ptr<float>();
-    const float* delta = added.defined() ? added.data_ptr<float>() : nullptr;
-    at::Tensor projected = at::empty({tokens, qkv->out_features}, options);
-    float* p = projected.data_ptr<float>();
-    if (per_thread.threads > 0) {
-      per_thread_norm(per_thread, delta, input_norm, tokens, features, [&](const float* x, int64_t t) {
-        const auto [first, last] = share_of(qkv->weight.size(0), t, per_thread.threads);
-        qkv->share(x, tokens, p, kernels[0]).multiply(first, last);
-      });
-    } else {
-      reader_spec::add_rms_norm_rows(h, delta, input_norm.data_ptr<float>(), epsilon, tokens, features,
-                                     normed.data_ptr<float>());
-      (*qkv)(normed.data_ptr<float>(), tokens, p, kernels[0]);
+    return cache;
+  }
+
+  // Token t's query and key heads normed (Qwen3) and rotated, queries into `queries`, keys and values
+  // into the cache.
+  void rotate_token(float* projected, int64_t t, const float* cos, const float* sin, const CacheView& cache,
+                    const int64_t* rows, const int64_t* positions, float* queries) const {
+    float* query_key = projected + t * qkv->out_features;
+    if (query_norm.defined()) {  // in place, each head alone
+      reader_spec::add_rms_norm_rows(query_key, nullptr, query_norm.data_ptr<float>(), epsilon, heads, head_dim,
+                                     query_key);
+      reader_spec::add_rms_norm_rows(query_key + heads * head_dim, nullptr, key_norm.data_ptr<float>(), epsilon,
+                                     kv_heads, head_dim, query_key + heads * head_dim);
     }
+    reader_spec::rotary_store_token(query_key, query_key + value_start, cos + t * head_dim, sin + t * head_dim, heads,
+                                    cache, rows[t], positions[t], queries + t * heads * head_dim);
+  }
+
+  // Gate and up blocks [first, last) of gate_up's pairs (gate block b and up block up_start / 32 + b)
+  // times x, then SiLU gating of those features: the thread that multiplied them gates them, from its
+  // own core's caches (silu_mul_rows read half of them from the other core's).
+  void gate_and_up(const float* x, int64_t tokens, int64_t first, int64_t last, int64_t kernel, float* gated,
+                   float* activated) const {
+    const reader_spec::Product product = gate_up->share(x, tokens, gated, kernel);
+    product.multiply(first, last);
+    product.multiply(up_start / reader_spec::kBlock + first, up_start / reader_spec::kBlock + last);
+    reader_spec::silu_mul_features(gated, gated + up_start, gate_up->out_features, tokens, intermediate,
+                                   first * reader_spec::kBlock, std::min(last * reader_spec::kBlock, intermediate),
+                                   activated);
+  }
+
+  int64_t gate_up_pairs() const { return (intermediate + reader_spec::kBlock - 1) / reader_spec::kBlock; }
+
+  // hidden: [tokens, hidden], the residual stream, to which `residual` (the previous layer's output,
+  // if any) is added in place. cos, sin: [tokens, head_dim]. Token t is written at
+  // (plan.visibility.token_row[t], position[t]) of the cache and attends as the plan says (see
+  // attend). Returns this layer's MLP output, which the next layer adds. `kernels`: for qkv, output,
+  // gate_up and down, which kernel multiplies this many rows (Linear's operator()). Each op splits its
+  // own work between threads.
+  at::Tensor run(const at::Tensor& hidden, const c10::optional<at::Tensor>& residual, const at::Tensor& cos,
+                 const at::Tensor& sin, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                 const int64_t* positions, const reader_spec::AttentionPlan& plan, const int64_t kernels[4]) {
+    const CacheView cache = checked_cache(hidden, cos, sin, key_cache, value_cache, plan);
+    const int64_t tokens = hidden.size(0), features = hidden.size(1);
+    at::Tensor added;
+    if (residual.has_value() && residual->defined()) {
+      added = residual->contiguous();
+      TORCH_CHECK(added.sizes() == hidden.sizes() && added.scalar_type() == at::kFloat, "residual must be like hidden");
+    }
+    const at::TensorOptions options = hidden.options();
+    const at::Tensor normed = at::empty({tokens, features}, options);
+    float* h = hidden.data_ptr<float>();
+    reader_spec::add_rms_norm_rows(h, added.defined() ? added.data_ptr<float>() : nullptr,
+                                   input_norm.data_ptr<float>(), epsilon, tokens, features, normed.data_ptr<float>());
+    at::Tensor projected = at::empty({tokens, qkv->out_features}, options);
+    (*qkv)(normed.data_ptr<float>(), tokens, projected.data_ptr<float>(), kernels[0]);
     at::Tensor queries = at::empty({tokens, heads, head_dim}, options);
     reader_spec::for_rows(tokens, (heads + 2 * kv_heads) * head_dim, [&](int64_t t) {
-      float* query_key = p + t * qkv->out_features;
-      if (query_norm.defined()) {  // in place, each head alone
-        reader_spec::add_rms_norm_rows(query_key, nullptr, query_norm.data_ptr<float>(), epsilon, heads, head_dim,
-                                       query_key);
-        reader_spec::add_rms_norm_rows(query_key + heads * head_dim, nullptr, key_norm.data_ptr<float>(), epsilon,
-                                       kv_heads, head_dim, query_key + heads * head_dim);
-      }
-      reader_spec::rotary_store_token(query_key, query_key + value_start, cos.data_ptr<float>() + t * head_dim,
-                                      sin.data_ptr<float>() + t * head_dim, heads, cache, rows[t], positions[t],
-                                      queries.data_ptr<float>() + t * heads * head_dim);
+      rotate_token(projected.data_ptr<float>(), t, cos.data_ptr<float>(), sin.data_ptr<float>(), cache,
+                   plan.visibility.token_row, positions, queries.data_ptr<float>());
     });
     at::Tensor attended = at::empty({tokens, heads * head_dim}, options);
     reader_spec::attend(queries.data_ptr<float>(), heads, cache, plan, static_cast<float>(scaling), 0.0f,
                         attended.data_ptr<float>());
     at::Tensor out = at::empty({tokens, features}, options);
     (*output)(attended.data_ptr<float>(), tokens, out.data_ptr<float>(), kernels[1]);
+    reader_spec::add_rms_norm_rows(h, out.data_ptr<float>(), mlp_norm.data_ptr<float>(), epsilon, tokens, features,
+                                   normed.data_ptr<float>());
     at::Tensor gated = at::empty({tokens, gate_up->out_features}, options);
     at::Tensor activated = at::empty({tokens, intermediate}, options);
-    // Each thread gates the features whose gate and up columns it has just multiplied, from its own
-    // core's caches (silu_mul_rows read half of them from the other core's).
-    const int64_t pairs = (intermediate + reader_spec::kBlock - 1) / reader_spec::kBlock;
-    auto gate_and_up = [&](const float* x, int64_t first, int64_t last) {
-      const reader_spec::Product product = gate_up->share(x, tokens, gated.data_ptr<float>(), kernels[2]);
-      product.multiply(first, last);
-      product.multiply(up_start / reader_spec::kBlock + first, up_start / reader_spec::kBlock + last);
-      reader_spec::silu_mul_features(gated.data_ptr<float>(), gated.data_ptr<float>() + up_start,
-                                     gate_up->out_features, tokens, intermediate, first * reader_spec::kBlock,
-                                     std::min(last * reader_spec::kBlock, intermediate), activated.data_ptr<float>());
-    };
-    if (per_thread.threads > 0) {
-      per_thread_norm(per_thread, out.data_ptr<float>(), mlp_norm, tokens, features, [&](const float* x, int64_t t) {
-        const auto [first, last] = share_of(pairs, t, per_thread.threads);
-        gate_and_up(x, first, last);
+    if (gate_up->pairs_blocks(kernels[2], up_start)) {
+      at::parallel_for(0, gate_up_pairs(), 1, [&](int64_t first, int64_t last) {
+        gate_and_up(normed.data_ptr<float>(), tokens, first, last, kernels[2], gated.data_ptr<float>(),
+                    activated.data_ptr<float>());
       });
     } else {
-      reader_spec::add_rms_norm_rows(h, out.data_ptr<float>(), mlp_norm.data_ptr<float>(), epsilon, tokens,
-                                     features, normed.data_ptr<float>());
-      if (gate_up->pairs_blocks(kernels[2], up_start)) {
-        at::parallel_for(0, pairs, 1, [&](int64_t first, int64_t last) {
-          gate_and_up(normed.data_ptr<float>(), first, last);
-        });
-      } else {
-        (*gate_up)(normed.data_ptr<float>(), tokens, gated.data_ptr<float>(), kernels[2]);
-        reader_spec::silu_mul_rows(gated.data_ptr<float>(), gated.data_ptr<float>() + up_start,
-                                   gate_up->out_features, tokens, intermediate, activated.data_ptr<float>());
-      }
+      (*gate_up)(normed.data_ptr<float>(), tokens, gated.data_ptr<float>(), kernels[2]);
+      reader_spec::silu_mul_rows(gated.data_ptr<float>(), gated.data_ptr<float>() + up_start, gate_up->out_features,
+                                 tokens, intermediate, activated.data_ptr<float>());
     }
     (*down)(activated.data_ptr<float>(), tokens, out.data_ptr<float>(), kernels[3]);
     return out;
+  }
+
+  // `member`'s part of this layer in a team's pass (DecoderStack::forward): each step split between
+  // the members, who wait for each other between steps (no member waits for a region to start or
+  // end). `delta`: the previous layer's output, which every member adds to its own stream (null for
+  // the first layer); this layer's goes to buffers.out.
+  void run_member(const Member& member, const float* delta, const float* cos, const float* sin,
+                  const CacheView& cache, const int64_t* positions, const reader_spec::AttentionPlan& plan,
+                  const reader_spec::AttentionShares& shares, const int64_t kernels[4],
+                  const TeamBuffers& buffers) const {
+    const int64_t tokens = plan.tokens, features = input_norm.numel();
+    float* stream = buffers.streams[member.first];
+    float* normed = buffers.normed[member.first];
+    reader_spec::add_rms_norm_rows(stream, delta, input_norm.data_ptr<float>(), epsilon, tokens, features, normed);
+    const auto [qkv_first, qkv_last] = member.share(qkv->weight.size(0));
+    qkv->share(normed, tokens, buffers.projected, kernels[0]).multiply(qkv_first, qkv_last);
+    member.wait();
+    const auto [token_first, token_last] = member.share(tokens);
+    for (int64_t t = token_first; t < token_last; ++t) {
+      rotate_token(buffers.projected, t, cos, sin, cache, plan.visibility.token_row, positions, buffers.queries);
+    }
+    member.wait();
+    for (int64_t thread = member.first; thread < member.last; ++thread) {
+      reader_spec::attend_share(buffers.queries, heads, cache, plan, shares, thread, static_cast<float>(scaling), 0.0f,
+                                buffers.attended);
+    }
+    member.wait();
+    const auto [output_first, output_last] = member.share(output->weight.size(0));
+    output->share(buffers.attended, tokens, buffers.out, kernels[1]).multiply(output_first, output_last);
+    member.wait();
+    reader_spec::add_rms_norm_rows(stream, buffers.out, mlp_norm.data_ptr<float>(), epsilon, tokens, features,
+                                   normed);
+    const auto [pair_first, pair_last] = member.share(gate_up_pairs());
+    gate_and_up(normed, tokens, pair_first, pair_last, kernels[2], buffers.gated, buffers.activated);
+    member.wait();
+    const auto [down_first, down_last] = member.share(down->weight.size(0));
+    down->share(buffers.activated, tokens, buffers.out, kernels[3]).multiply(down_first, down_last);
+    member.wait();
   }
 };
 
@@ -357,39 +498,109 @@ struct DecoderStack : torch::CustomClassHolder {
       plans.push_back(reader_spec::plan_attention(
           {seen.data_ptr<bool>(), seen.size(1), seen.size(2), trees, offsets, rows}, tokens));
     }
-    // A stream per thread where a norm's rows would be normed on one thread anyway (a few of them) and
-    // every layer's products after its norms can be split by the layer.
-    const int64_t threads = at::get_num_threads();
-    bool per_thread =
-        threads > 1 && hidden.is_contiguous() && tokens * hidden.size(1) <= reader_spec::kFeaturesPerThread;
-    for (size_t i = 0; i < count && per_thread; ++i) {
-      const int64_t layer_kernels[4] = {kernels.get(4 * i), 0, kernels.get(4 * i + 2), 0};
-      per_thread = layers[i]->norms_per_thread(layer_kernels);
-    }
-    ThreadStreams streams;
-    std::vector<at::Tensor> held;  // the other threads' streams and every thread's normed rows
-    if (per_thread) {
-      streams.threads = threads;
-      held.push_back(at::empty({threads, hidden.size(0), hidden.size(1)}, hidden.options()));
-      for (int64_t t = 0; t < threads; ++t) {
-        streams.streams.push_back(t == 0 ? hidden.data_ptr<float>()
-                                         : held.emplace_back(hidden.clone()).data_ptr<float>());
-        streams.normed.push_back(held[0][t].data_ptr<float>());
-      }
-    }
-    c10::optional<at::Tensor> residual;
+    std::vector<int64_t> layer_kernels(4 * count);
+    for (size_t i = 0; i < 4 * count; ++i) layer_kernels[i] = kernels.get(i);
     for (size_t i = 0; i < count; ++i) {
       TORCH_CHECK(key_caches[i].size(0) == cache_rows, "every layer's cache has the same rows");
-      const int64_t layer_kernels[4] = {kernels.get(4 * i), kernels.get(4 * i + 1), kernels.get(4 * i + 2),
-                                        kernels.get(4 * i + 3)};
-      const int64_t kind = kinds[i];
-      residual = layers[i]->run(hidden, residual, cos[kind], sin[kind], key_caches[i], value_caches[i], positions,
-                                plans[kind], layer_kernels, streams);
+    }
+    at::Tensor residual;
+    if (in_team(hidden, layer_kernels)) {
+      residual = forward_team(hidden, cos, sin, key_caches, value_caches, positions, plans, layer_kernels);
+    } else {
+      c10::optional<at::Tensor> last;
+      for (size_t i = 0; i < count; ++i) {
+        const int64_t kind = kinds[i];
+        last = layers[i]->run(hidden, last, cos[kind], sin[kind], key_caches[i], value_caches[i], positions,
+                              plans[kind], &layer_kernels[4 * i]);
+      }
+      residual = *last;
     }
     at::Tensor normed = at::empty(hidden.sizes(), hidden.options());
-    reader_spec::add_rms_norm_rows(hidden.data_ptr<float>(), residual->data_ptr<float>(), final_norm.data_ptr<float>(),
+    reader_spec::add_rms_norm_rows(hidden.data_ptr<float>(), residual.data_ptr<float>(), final_norm.data_ptr<float>(),
                                    final_epsilon, hidden.size(0), hidden.size(1), normed.data_ptr<float>());
     return normed;
+  }
+
+  // Whether a pass runs as a team: a few rows (their norms would run on one thread anyway), every
+  // product split by the layer, and OpenMP threads, which all run at once (a team's members wait for
+  // each other, which threads of a pool that takes tasks in turn might never do), no more of them
+  // than CPUs.
+  bool in_team(const at::Tensor& hidden, const std::vector<int64_t>& layer_kernels) const {
+    const int64_t threads = at::get_num_threads();
+    if (!AT_PARALLEL_OPENMP || threads < 2 || threads > usable_cpus() || !hidden.is_contiguous() ||
+        hidden.numel() > reader_spec::kFeaturesPerThread) {
+      return false;
+    }
+    for (size_t i = 0; i < layers.size(); ++i) {
+      if (!layers[i]->runs_in_team(&layer_kernels[4 * i])) return false;
+    }
+    return true;
+  }
+
+  // The layers as one parallel region: every thread runs every layer, its share of each step
+  // (DecoderLayer.run_member), instead of one region per step (five a layer). Returns the last
+  // layer's output; `hidden` holds the residual stream before it.
+  at::Tensor forward_team(const at::Tensor& hidden, const std::vector<at::Tensor>& cos,
+                          const std::vector<at::Tensor>& sin, const std::vector<at::Tensor>& key_caches,
+                          const std::vector<at::Tensor>& value_caches, const int64_t* positions,
+                          const std::vector<reader_spec::AttentionPlan>& plans,
+                          const std::vector<int64_t>& layer_kernels) const {
+    const int64_t threads = at::get_num_threads(), tokens = hidden.size(0), features = hidden.size(1);
+    std::vector<CacheView> caches;
+    int64_t projected = 0, queries = 0, gated = 0, activated = 0;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const DecoderLayer& layer = *layers[i];
+      caches.push_back(layer.checked_cache(hidden, cos[kinds[i]], sin[kinds[i]], key_caches[i], value_caches[i],
+                                           plans[kinds[i]]));
+      projected = std::max(projected, layer.qkv->out_features);
+      queries = std::max(queries, layer.heads * layer.head_dim);
+      gated = std::max(gated, layer.gate_up->out_features);
+      activated = std::max(activated, layer.intermediate);
+    }
+    // Attention's split per kind of layer (the first layer of a kind stands for the others, whose
+    // heads must match it).
+    std::vector<reader_spec::AttentionShares> shares(plans.size());
+    std::vector<const DecoderLayer*> first_of_kind(plans.size(), nullptr);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const DecoderLayer& layer = *layers[i];
+      const DecoderLayer*& first = first_of_kind[kinds[i]];
+      if (first == nullptr) {
+        first = &layer;
+        shares[kinds[i]] = reader_spec::share_attention(plans[kinds[i]], layer.kv_heads, layer.heads / layer.kv_heads,
+                                                        layer.head_dim, threads);
+      }
+      TORCH_CHECK(layer.heads == first->heads && layer.kv_heads == first->kv_heads &&
+                      layer.head_dim == first->head_dim,
+                  "layers of one attention kind must have the same heads");
+    }
+    const at::TensorOptions options = hidden.options();
+    const at::Tensor work = at::empty({tokens * (projected + 2 * queries + features + gated + activated)}, options);
+    const at::Tensor per_thread = at::empty({2 * threads - 1, tokens, features}, options);
+    TeamBuffers buffers;
+    buffers.projected = work.data_ptr<float>();
+    buffers.queries = buffers.projected + tokens * projected;
+    buffers.attended = buffers.queries + tokens * queries;
+    buffers.out = buffers.attended + tokens * queries;
+    buffers.gated = buffers.out + tokens * features;
+    buffers.activated = buffers.gated + tokens * gated;
+    for (int64_t t = 0; t < threads; ++t) {
+      float* stream = t == 0 ? hidden.data_ptr<float>() : per_thread[threads + t - 1].data_ptr<float>();
+      if (t > 0) std::memcpy(stream, hidden.data_ptr<float>(), tokens * features * sizeof(float));
+      buffers.streams.push_back(stream);
+      buffers.normed.push_back(per_thread[t].data_ptr<float>());
+    }
+    SpinBarrier barrier;
+    at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+      barrier.join(first, last, threads);
+      const Member member{first, last, threads, &barrier};
+      for (size_t i = 0; i < layers.size(); ++i) {
+        const int64_t kind = kinds[i];
+        layers[i]->run_member(member, i == 0 ? nullptr : buffers.out, cos[kind].data_ptr<float>(),
+                              sin[kind].data_ptr<float>(), caches[i], positions, plans[kind], shares[kind],
+                              &layer_kernels[4 * i], buffers);
+      }
+    });
+    return work.narrow(0, tokens * (projected + 2 * queries), tokens * features).view({tokens, features});
   }
 };
 

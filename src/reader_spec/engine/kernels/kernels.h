@@ -336,9 +336,33 @@ struct AttentionPlan {
 
 AttentionPlan plan_attention(const Visibility& visibility, int64_t tokens);
 
+// A pass's attention split between threads: its items (one run of tokens on one key/value head),
+// thread t taking items [bounds[t], bounds[t + 1]); fewer threads than asked where the pass is small.
+struct AttentionShares {
+  bool by_head;  // items head by head (a few runs), else run by run
+  int64_t runs, kv_heads;
+  std::vector<int64_t> bounds;
+
+  int64_t threads() const { return static_cast<int64_t>(bounds.size()) - 1; }
+
+  // Runs in the order first, last, second, second to last... (share_attention says why).
+  int64_t run_of(int64_t item) const {
+    const int64_t order = by_head ? item % runs : item / kv_heads;
+    return order % 2 == 0 ? order / 2 : runs - 1 - order / 2;
+  }
+
+  int64_t kv_head_of(int64_t item) const { return by_head ? item / runs : item % kv_heads; }
+};
+
+AttentionShares share_attention(const AttentionPlan& plan, int64_t kv_heads, int64_t group, int64_t head_dim,
+                                int64_t threads);
+
 // Attention of the plan's tokens' queries ([tokens, heads, head_dim]) on the cache; `softcap` 0 for
-// none. out: [tokens, heads, head_dim].
+// none. out: [tokens, heads, head_dim]. attend_share: thread `thread`'s items alone, on the calling
+// thread (nothing past shares.threads()).
 void attend(const float* query, int64_t heads, const CacheView& cache, const AttentionPlan& plan, float scaling,
             float softcap, float* out);
+void attend_share(const float* query, int64_t heads, const CacheView& cache, const AttentionPlan& plan,
+                  const AttentionShares& shares, int64_t thread, float scaling, float softcap, float* out);
 
 }  // namespace reader_spec

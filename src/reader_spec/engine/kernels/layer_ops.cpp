@@ -690,12 +690,10 @@ AttentionPlan plan_attention(const Visibility& visibility, int64_t tokens) {
   return plan;
 }
 
-void attend(const float* query, int64_t heads, const CacheView& cache, const AttentionPlan& plan, float scaling,
-            float softcap, float* out) {
-  const Visibility& visibility = plan.visibility;
-  const int64_t group = heads / cache.kv_heads, dim = cache.head_dim, tokens = plan.tokens;
-  const std::vector<int64_t>& starts = plan.starts;
+AttentionShares share_attention(const AttentionPlan& plan, int64_t kv_heads, int64_t group, int64_t head_dim,
+                                int64_t threads) {
   constexpr int64_t kHeadMajorRuns = 8;
+  const std::vector<int64_t>& starts = plan.starts;
   const int64_t runs = static_cast<int64_t>(plan.runs.size());
   // Runs in the order first, last, second, second to last...: a thread takes a contiguous share of the
   // items, and a prompt's later runs see more keys, so in cache order the last of two threads would get
@@ -704,38 +702,53 @@ void attend(const float* query, int64_t heads, const CacheView& cache, const Att
   // its runs of a row, where run by run each thread read every head's (passes of 5-9 tokens 1-3%
   // faster on an AMD EPYC Zen 4 host; docs/runner.md); a prompt's chunk, run by run (item i: head i %
   // kv_heads), so that a thread reads one run's keys and masks at a time.
-  const bool by_head = runs <= kHeadMajorRuns;
-  const int64_t items = runs * cache.kv_heads;
+  AttentionShares shares{runs <= kHeadMajorRuns, runs, kv_heads, {}};
+  const int64_t items = runs * kv_heads;
   // Items of about 64k multiply-adds or more per thread: below that, threads cost more than they save.
-  const int64_t work = std::max<int64_t>(1, visibility.kv_length * group * dim * tokens / std::max<int64_t>(runs, 1));
+  const int64_t work =
+      std::max<int64_t>(1, plan.visibility.kv_length * group * head_dim * plan.tokens / std::max<int64_t>(runs, 1));
   const int64_t grain = std::max<int64_t>(1, 65536 / work);
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (items + grain - 1) / grain);
-  auto run_of_item = [&](int64_t item) {
-    const int64_t order = by_head ? item % runs : item / cache.kv_heads;
-    return order % 2 == 0 ? order / 2 : runs - 1 - order / 2;
-  };
+  const int64_t used = std::max<int64_t>(1, std::min<int64_t>(threads, (items + grain - 1) / grain));
   // Each thread's share holds about as many tokens as the others': runs differ in length (5 tokens are
   // runs of 4 and 1), and shares of equal item counts gave one thread 12 of the 15 (token, head) pairs
   // (an AMD EPYC Zen 4 host: attention of 5 tokens 0.84x as long, 13 tokens 0.87x; docs/runner.md).
   std::vector<int64_t> tokens_before(items + 1, 0);
   for (int64_t item = 0; item < items; ++item) {
-    const int64_t run = run_of_item(item);
+    const int64_t run = shares.run_of(item);
     tokens_before[item + 1] = tokens_before[item] + starts[run + 1] - starts[run];
   }
-  std::vector<int64_t> bounds(threads + 1, items);
-  for (int64_t thread = 0, item = 0; thread < threads; ++thread) {
-    const double target = static_cast<double>(thread) * tokens_before[items] / threads;
+  shares.bounds.assign(used + 1, items);
+  for (int64_t thread = 0, item = 0; thread < used; ++thread) {
+    const double target = static_cast<double>(thread) * tokens_before[items] / used;
     while (item < items && std::abs(tokens_before[item + 1] - target) <= std::abs(tokens_before[item] - target)) ++item;
-    bounds[thread] = item;
+    shares.bounds[thread] = item;
   }
-  const auto attend_run_of = dim == 64 ? attend_run<4> : dim == 128 ? attend_run<8> : attend_run<0>;
-  at::parallel_for(0, threads, 1, [&](int64_t first_thread, int64_t last_thread) {
-    AttentionScratch scratch;
-    for (int64_t item = bounds[first_thread]; item < bounds[last_thread]; ++item) {
-      const int64_t run = run_of_item(item), kv_head = by_head ? item / runs : item % cache.kv_heads;
-      const int64_t first = starts[run], count = starts[run + 1] - first;
-      attend_run_of(query + first * heads * dim, count, heads, group, kv_head, cache, visibility.token_row[first],
-                    scaling, softcap, out + first * heads * dim, plan.runs[run], scratch);
+  return shares;
+}
+
+void attend_share(const float* query, int64_t heads, const CacheView& cache, const AttentionPlan& plan,
+                  const AttentionShares& shares, int64_t thread, float scaling, float softcap, float* out) {
+  if (thread >= shares.threads()) return;
+  const auto attend_run_of = cache.head_dim == 64    ? attend_run<4>
+                             : cache.head_dim == 128 ? attend_run<8>
+                                                     : attend_run<0>;
+  const int64_t group = heads / cache.kv_heads, dim = cache.head_dim;
+  AttentionScratch scratch;
+  for (int64_t item = shares.bounds[thread]; item < shares.bounds[thread + 1]; ++item) {
+    const int64_t run = shares.run_of(item), first = plan.starts[run], count = plan.starts[run + 1] - first;
+    attend_run_of(query + first * heads * dim, count, heads, group, shares.kv_head_of(item), cache,
+                  plan.visibility.token_row[first], scaling, softcap, out + first * heads * dim, plan.runs[run],
+                  scratch);
+  }
+}
+
+void attend(const float* query, int64_t heads, const CacheView& cache, const AttentionPlan& plan, float scaling,
+            float softcap, float* out) {
+  const AttentionShares shares =
+      share_attention(plan, cache.kv_heads, heads / cache.kv_heads, cache.head_dim, at::get_num_threads());
+  at::parallel_for(0, shares.threads(), 1, [&](int64_t first_thread, int64_t last_thread) {
+    for (int64_t thread = first_thread; thread < last_thread; ++thread) {
+      attend_share(query, heads, cache, plan, shares, thread, scaling, softcap, out);
     }
   });
 }
