@@ -495,8 +495,8 @@ struct DecoderStack : torch::CustomClassHolder {
                         trees[t] >= 0 && trees[t] < seen.size(0) && offsets[t] >= 0 && offsets[t] < seen.size(1),
                     "token ", t, " outside the cache or visible");
       }
-      plans.push_back(reader_spec::plan_attention(
-          {seen.data_ptr<bool>(), seen.size(1), seen.size(2), trees, offsets, rows}, tokens));
+      plans.push_back(reader_spec::plan_attention({seen.data_ptr<bool>(), seen.size(1), seen.size(2), trees, offsets, rows},
+                                                  tokens, layers[0]->kv_heads, at::get_num_threads()));
     }
     std::vector<int64_t> layer_kernels(4 * count);
     for (size_t i = 0; i < 4 * count; ++i) layer_kernels[i] = kernels.get(i);

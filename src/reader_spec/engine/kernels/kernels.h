@@ -318,8 +318,12 @@ struct Visibility {
   const int64_t* token_row;
 };
 
-// The keys of one run of a pass's tokens (up to 4 consecutive tokens of one tree, attention's unit
-// of work): the keys any of its tokens sees, in cache order, and which of them each token sees.
+// The most tokens in a run of a pass's tokens (consecutive tokens of one tree, attention's unit of
+// work, with one key/value head): its queries share each key block and value row read.
+constexpr int64_t kRunTokens = 4;
+
+// The keys of one run: the keys any of its tokens sees, in cache order, and which of them each token
+// sees.
 struct RunKeys {
   std::vector<int32_t> keys;
   std::vector<Int16> sees;  // per token of the run and block of 16 keys: lanes of -1 where it sees the key
@@ -334,7 +338,9 @@ struct AttentionPlan {
   std::vector<RunKeys> runs;
 };
 
-AttentionPlan plan_attention(const Visibility& visibility, int64_t tokens);
+// The plan of a pass's attention, for a model with `kv_heads` key/value heads on `threads` threads
+// (which only choose how the tokens are cut into runs: a run's tokens compute what they would alone).
+AttentionPlan plan_attention(const Visibility& visibility, int64_t tokens, int64_t kv_heads, int64_t threads);
 
 // A pass's attention split between threads: its items (one run of tokens on one key/value head),
 // thread t taking items [bounds[t], bounds[t + 1]); fewer threads than asked where the pass is small.
