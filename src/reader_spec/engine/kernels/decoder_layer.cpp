@@ -7,7 +7,9 @@
 // two of them the interpreter and PyTorch's dispatch cost microseconds each, and each matrix product
 // evicts their code and data from the caches, so at a few rows those gaps were a quarter of a pass.
 // Here nothing runs between the ops but the ops themselves, which are the same functions (kernels.h):
-// a layer's output is bitwise the Python layer's.
+// a layer's output is bitwise the Python layer's. A pass of many rows runs each op on all threads in
+// turn (DecoderLayer.run); a pass of a few rows runs every layer as one team of threads, each taking
+// its share of every op and waiting for the others between ops (DecoderLayer.run_member).
 #include <ATen/Config.h>
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
