@@ -5,11 +5,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import time
 
 import pytest
 
 import reader_spec.bench.runner as bench
-from reader_spec.bench.methods import METHODS, BenchSetup, Generation, MethodSpec, engine_method
+from reader_spec.bench.methods import METHODS, BenchSetup, Generation, MethodSpec, engine_method, generate
 from reader_spec.bench.results import (
     BatchResult,
     PromptResult,
@@ -194,8 +195,8 @@ def test_transformers_methods_equal_ar_and_stop_at_eos(tiny, name):
         loaded, draft=LoadedModel(make_tiny_llama(), tiny.tokenizer, "draft", tiny.fingerprint)
     )
     ar, method = METHODS["ar"].build(setup), METHODS[name].build(setup)
-    want = ar.generate(prompts, 30, 1, lambda: None)
-    got = method.generate(prompts, 30, 1, lambda: None)
+    want = generate(ar, prompts, 30, 1, lambda: None)
+    got = generate(method, prompts, 30, 1, lambda: None)
     assert [g.tokens for g in got] == [w.tokens for w in want]
     assert got[0].tokens[-1] == eos and len(got[0].tokens) <= 5  # stopped at eos, kept it
     assert any(len(g.tokens) == 30 for g in got)  # and at max_new_tokens elsewhere
@@ -204,7 +205,7 @@ def test_transformers_methods_equal_ar_and_stop_at_eos(tiny, name):
         assert g.verify_seconds > 0
     if name == "hf":
         assert all(set(g.accept_lengths) == {1} and g.drafted == 0 for g in got)
-        batched = method.generate(prompts, 30, 2, lambda: None)  # finished rows get padded
+        batched = generate(method, prompts, 30, 2, lambda: None)  # finished rows get padded
         assert [g.tokens for g in batched] == [w.tokens for w in want]
     elif name == "hf-pld":
         assert sum(g.drafted for g in got) > 0
@@ -216,7 +217,7 @@ def test_hf_batches_but_drafting_hf_methods_do_not(tiny):
     setup = BenchSetup(tiny)
     assert METHODS["hf"].build(setup).can_batch
     with pytest.raises(ValueError, match="batch size 1"):
-        METHODS["hf-pld"].build(setup).generate([[5, 6], [7, 8]], 4, 2, lambda: None)
+        generate(METHODS["hf-pld"].build(setup), [[5, 6], [7, 8]], 4, 2, lambda: None)
     with pytest.raises(ValueError, match="--draft-model"):
         METHODS["hf-assisted"].build(setup)
 
@@ -227,7 +228,7 @@ def test_unknown_method_fails_before_any_work(tiny):
 
 
 class Recorder:
-    """A method that records its prompts and answers one token."""
+    """A method that records its prompts and answers one token, a prompt a step."""
 
     can_batch, speculative = True, False
 
@@ -240,10 +241,11 @@ class Recorder:
     def reset(self):
         pass
 
-    def generate(self, prompts, max_new_tokens, batch_size, on_finish):
-        self.prompts += prompts
-        for _ in prompts:
+    def steps(self, prompts, max_new_tokens, batch_size, on_finish):
+        for prompt in prompts:
+            self.prompts.append(prompt)
             on_finish()
+            yield
         return [Generation([5], [1], 0, 0.0, 0.0) for _ in prompts]
 
 
@@ -260,10 +262,10 @@ class Remembering(Recorder):
         self.remembered = []
         self.passes += 1
 
-    def generate(self, prompts, max_new_tokens, batch_size, on_finish):
+    def steps(self, prompts, max_new_tokens, batch_size, on_finish):
         self.met_again += sum(p in self.remembered for p in prompts)
         self.remembered += prompts
-        return super().generate(prompts, max_new_tokens, batch_size, on_finish)
+        return (yield from super().steps(prompts, max_new_tokens, batch_size, on_finish))
 
 
 @pytest.mark.parametrize("batch_sizes", [[1], [2]])
@@ -292,24 +294,32 @@ def test_repeats_and_batch_sizes_never_see_their_own_earlier_runs(tiny, monkeypa
     assert len(report.prompts) == 2 * TURNS  # medians of the repeats, for ar and mem
 
 
-def test_batched_repeats_take_turns(tiny, monkeypatch):
-    """The machine drifts between runs: at a batch size above 1 each repeat runs every method once, and
-    every other repeat in the reverse order (the second of two runs can be the slower one)."""
+def test_batched_methods_take_turns_step_by_step(tiny, monkeypatch):
+    """The machine drifts from minute to minute: at a batch size above 1 the methods run step by step
+    in turns, who goes first alternating between repeats, and each is timed over its own steps."""
     order = []
 
     class Named(Recorder):
-        def __init__(self, name):
+        def __init__(self, name, pause):
             super().__init__()
-            self.name = name
+            self.name, self.pause = name, pause
 
-        def generate(self, prompts, max_new_tokens, batch_size, on_finish):
-            order.append((self.name, batch_size))
-            return super().generate(prompts, max_new_tokens, batch_size, on_finish)
+        def steps(self, prompts, max_new_tokens, batch_size, on_finish):
+            for _ in prompts:
+                order.append((self.name, batch_size))
+                time.sleep(self.pause)
+                on_finish()
+                yield
+            return [Generation([5], [1], 0, 0.0, 0.0) for _ in prompts]
 
-    for name in ("one", "two"):
-        monkeypatch.setitem(METHODS, name, MethodSpec(lambda setup, name=name: Named(name)))
-    run_bench(tiny, QUESTIONS, ["one", "two"], max_new_tokens=4, repeats=3, batch_sizes=[2])
-    assert [name for name, size in order if size == 2] == ["one", "two", "two", "one", "one", "two"]
+    for name, pause in (("slow", 0.05), ("quick", 0.0)):
+        monkeypatch.setitem(METHODS, name, MethodSpec(lambda setup, n=name, p=pause: Named(n, p)))
+    report = run_bench(tiny, QUESTIONS, ["slow", "quick"], max_new_tokens=4, repeats=2, batch_sizes=[2])
+    pieces = [name for name, size in order if size == 2]
+    assert pieces == ["slow", "quick"] * TURNS + ["quick", "slow"] * TURNS
+    seconds = {b.method: b.run_seconds for b in report.batches}
+    assert all(s >= 0.05 * TURNS for s in seconds["slow"])
+    assert all(s < 0.05 for s in seconds["quick"])
 
 
 # --- the whole run -----------------------------------------------------------------------------------

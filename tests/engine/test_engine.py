@@ -501,6 +501,35 @@ def test_a_cancelled_request_frees_its_row_for_the_next_one(tiny, prompts, plain
     assert outputs[fourth].tokens == plain_outputs[3].tokens
 
 
+def test_two_engines_taking_turns_piece_by_piece_stay_exact(tiny, prompts, plain_outputs):
+    """What a benchmark does to time methods side by side; a piece is one request's prefill (nothing
+    else moves) or one pass (every running request moves on)."""
+    engines = [Engine(tiny, costs=FLAT_COSTS), Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS)]
+    running = [e.generate_stepwise(prompts[:5], NO_EOS, batch_size=3) for e in engines]
+    results: list = [None, None]
+    prefills = [0, 0]
+    while None in results:
+        for i, (engine, stepwise) in enumerate(zip(engines, running, strict=True)):
+            if results[i] is not None:
+                continue
+            before = {s.key: len(s.tokens) for s in engine.scheduler.running}
+            try:
+                next(stepwise)
+            except StopIteration as finished:
+                results[i] = finished.value
+                continue
+            after = {s.key: len(s.tokens) for s in engine.scheduler.running}
+            if after.keys() - before.keys():
+                prefills[i] += 1
+                assert len(after.keys() - before.keys()) == 1
+                assert all(after[key] == length for key, length in before.items())
+            else:
+                assert all(after[key] > before[key] for key in after)
+    assert prefills == [5, 5]
+    for outputs in results:
+        assert [o.tokens for o in outputs] == [p.tokens for p in plain_outputs[:5]]
+
+
 def test_generate_needs_an_idle_engine(tiny, prompts):
     engine = Engine(tiny)
     engine.add_request(prompts[0], NO_EOS)

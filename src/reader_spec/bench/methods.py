@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Protocol
@@ -28,7 +28,7 @@ from reader_spec.drafters import DRAFTERS, Drafter, DrafterSpec
 from reader_spec.drafters.pld import DEFAULT_NUM_TOKENS
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.engine.decoder import supports
-from reader_spec.engine.loop import DEFAULT_BUDGET, Engine, model_eos_ids
+from reader_spec.engine.loop import DEFAULT_BUDGET, Engine, model_eos_ids, run_to_end
 from reader_spec.engine.weights import ROW_BUCKETS
 from reader_spec.loading import LoadedModel
 
@@ -78,6 +78,11 @@ class Generation:
     """Prompt tokens an earlier request left in the cache, not prefilled (engine methods)."""
 
 
+Steps = Generator[None, None, list[Generation]]
+"""A method's run a piece at a time (an engine step, a group through ``transformers``' ``generate``):
+each ``next`` runs one piece; the outputs, in prompt order, are what the generator returns."""
+
+
 class Method(Protocol):
     can_batch: bool
     """False where the implementation only decodes one sequence at a time."""
@@ -90,10 +95,18 @@ class Method(Protocol):
         """Forget what earlier runs taught (response history, learned weights): each timed run then
         starts alike, and a repeat never drafts from the answers of the run it repeats."""
 
-    def generate(
+    def steps(
         self, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int, on_finish: OnFinish
-    ) -> list[Generation]:
-        """Greedy outputs in prompt order; ``on_finish`` is called once per finished request."""
+    ) -> Steps:
+        """Greedy outputs in prompt order, a piece at a time; ``on_finish`` is called once per
+        finished request."""
+
+
+def generate(
+    method: Method, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int, on_finish: OnFinish
+) -> list[Generation]:
+    """A method's whole run at once."""
+    return run_to_end(method.steps(prompts, max_new_tokens, batch_size, on_finish))
 
 
 @dataclass(frozen=True)
@@ -126,10 +139,10 @@ class EngineMethod:
         if self.new_drafter is not None:
             self.engine.drafter = self.new_drafter()
 
-    def generate(
+    def steps(
         self, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int, on_finish: OnFinish
-    ) -> list[Generation]:
-        outputs = self.engine.generate(
+    ) -> Steps:
+        outputs = yield from self.engine.generate_stepwise(
             list(prompts),
             replace(self.sampling, max_new_tokens=max_new_tokens),
             batch_size=batch_size,
@@ -200,14 +213,14 @@ class HFMethod:
 
     def warm_up(self, batch_size: int) -> None:
         size = batch_size if self.can_batch else 1
-        self.generate([[1, 2, 3, 4]] * size, 2, size, lambda: None)
+        generate(self, [[1, 2, 3, 4]] * size, 2, size, lambda: None)
 
     def reset(self) -> None:
         """``generate`` keeps nothing between calls."""
 
-    def generate(
+    def steps(
         self, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int, on_finish: OnFinish
-    ) -> list[Generation]:
+    ) -> Steps:
         if batch_size > 1 and not self.can_batch:
             raise ValueError("transformers' prompt lookup and assisted generation only run at batch size 1")
         results: list[Generation] = []
@@ -216,6 +229,7 @@ class HFMethod:
             results += self._generate_group(group, max_new_tokens)
             for _ in group:
                 on_finish()
+            yield
         return results
 
     def _generate_group(self, prompts: Sequence[list[int]], max_new_tokens: int) -> list[Generation]:

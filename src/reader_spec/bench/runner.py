@@ -4,7 +4,8 @@ Every method runs in one process on the same loaded model, after one warm-up eac
 methods are interleaved prompt by prompt, so machine drift hits all of them alike. A question's later
 turns carry ``ar``'s earlier answers, so every method decodes exactly the same prompts and outputs
 compare token for token. Batch runs decode every prompt (second turns included, categories
-interleaved) at each batch size above 1, with every method that can batch. Methods are reset before
+interleaved) at each batch size above 1, with every method that can batch, the methods taking turns
+step by step (each timed over its own steps). Methods are reset before
 every timed pass (each repeat, each batch size), so that a source that learns across requests (the
 response history) has seen the earlier requests of its pass, never the answers it is being timed on.
 """
@@ -31,7 +32,15 @@ import transformers
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from reader_spec.bench.methods import METHODS, BenchSetup, EngineMethod, Generation, Method, method_names
+from reader_spec.bench.methods import (
+    METHODS,
+    BenchSetup,
+    EngineMethod,
+    Generation,
+    Method,
+    generate,
+    method_names,
+)
 from reader_spec.bench.results import REFERENCE, BatchResult, PromptResult, markdown, summarize
 from reader_spec.bench.spec_bench import Question, interleave_categories
 from reader_spec.config import SAMPLING_FIELDS, GenerationConfig
@@ -222,7 +231,7 @@ def _fill_answers(
         while len(answers.setdefault(question, [])) < len(question.turns) - 1:
             turn = len(answers[question])
             prompt = encode_prompt(tokenizer, turn_messages(question, turn, answers[question]))
-            (output,) = ar.generate([prompt], max_new_tokens, 1, lambda: None)
+            (output,) = generate(ar, [prompt], max_new_tokens, 1, lambda: None)
             answers[question].append(tokenizer.decode(output.tokens, skip_special_tokens=True))
 
 
@@ -235,17 +244,19 @@ def _batched(
     repeats: int,
     bar: tqdm,
 ) -> list[BatchResult]:
-    """Every method over all prompts at one batch size; with repeats the methods take turns (the
-    machine's drift between runs hits them alike), in the reverse order every other repeat: at batch
-    32 on a Zen 4 host the second of two engine methods prefilled the same prompts 3-15% slower than
-    the first, whichever it was (docs/runner.md, "Session 49"). Each method's median run gives its
-    figures and every run's seconds are kept (its speedup pairs each run with ``ar``'s of the same
-    repeat: ``batch_speedup``)."""
+    """Every method over all prompts at one batch size, the methods taking turns a step at a time: a
+    shared host's speed drifts from one minute to the next, so runs made one after the other compare
+    the minutes they ran in more than the methods (docs/runner.md, "Session 52"). With repeats, who
+    goes first alternates. Each method's median run gives its figures and every run's seconds are
+    kept (its speedup pairs each run with ``ar``'s of the same repeat: ``batch_speedup``)."""
     runs: dict[str, list[Run]] = {name: [] for name in batchable}
     for repeat in range(repeats):
-        for name in batchable if repeat % 2 == 0 else batchable[::-1]:
+        order = batchable if repeat % 2 == 0 else batchable[::-1]
+        for name in order:
             built[name].reset()
-            runs[name].append(_run(built[name], prompts, max_new_tokens, size, bar))
+        turns = _in_turns({name: built[name] for name in order}, prompts, max_new_tokens, size, bar)
+        for name, run in turns.items():
+            runs[name].append(run)
     results = []
     reference: list[list[int]] = []
     for name in batchable:
@@ -281,9 +292,37 @@ class Run:
 def _run(method: Method, prompts: list[list[int]], max_new_tokens: int, batch_size: int, bar: tqdm) -> Run:
     _reset_peak_rss()
     start = time.perf_counter()
-    outputs = method.generate(prompts, max_new_tokens, batch_size, bar.update)
+    outputs = generate(method, prompts, max_new_tokens, batch_size, bar.update)
     seconds = time.perf_counter() - start
     return Run(outputs, seconds, _peak_rss_mib())
+
+
+def _in_turns(
+    methods: dict[str, Method], prompts: list[list[int]], max_new_tokens: int, batch_size: int, bar: tqdm
+) -> dict[str, Run]:
+    """Each method's run over the same prompts, the methods taking turns a piece at a time (an engine's
+    step). A method's seconds are its own pieces'; its peak memory the highest during them, with the
+    other methods' models and caches resident (as at batch 1, where methods alternate by prompt)."""
+    _reset_peak_rss()
+    running = {name: m.steps(prompts, max_new_tokens, batch_size, bar.update) for name, m in methods.items()}
+    seconds = dict.fromkeys(methods, 0.0)
+    peaks = dict.fromkeys(methods, 0.0)
+    runs: dict[str, Run] = {}
+    while running:
+        for name, steps in list(running.items()):
+            _reset_peak_rss(hand_back=False)
+            start = time.perf_counter()
+            try:
+                next(steps)
+                outputs = None
+            except StopIteration as finished:
+                outputs = finished.value
+            seconds[name] += time.perf_counter() - start
+            peaks[name] = max(peaks[name], _peak_rss_mib())
+            if outputs is not None:
+                runs[name] = Run(outputs, seconds[name], peaks[name])
+                del running[name]
+    return runs
 
 
 def _median(runs: list[Run]) -> Run:
@@ -321,13 +360,15 @@ def _prompt_result(
     )
 
 
-def _reset_peak_rss() -> bool:
+def _reset_peak_rss(hand_back: bool = True) -> bool:
     """Restart the kernel's resident-set high-water mark (Linux), so that a peak belongs to one run.
 
-    Memory an earlier run freed stays resident inside the allocator unless handed back first."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Memory an earlier run freed stays resident inside the allocator unless handed back first
+    (``hand_back``; too slow between the steps of methods taking turns)."""
+    if hand_back:
+        gc.collect()
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:

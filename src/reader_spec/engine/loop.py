@@ -12,9 +12,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from tqdm import tqdm
 
@@ -45,6 +45,7 @@ DEFAULT_BUDGET = 16
 """Most draft tokens one sequence may verify per step (the engine's budget)."""
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -153,6 +154,22 @@ class Engine:
         finished request's cache row goes to the next waiting one. A prompt the model has no room
         for is refused before any work.
         """
+        return run_to_end(
+            self.generate_stepwise(prompts, config, batch_size=batch_size, ids=ids, on_finish=on_finish)
+        )
+
+    def generate_stepwise(
+        self,
+        prompts: Sequence[Prompt],
+        config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+        *,
+        batch_size: int = 1,
+        ids: Sequence[object] | None = None,
+        on_finish: Callable[[Output], None] | None = None,
+    ) -> Generator[None, None, list[Output]]:
+        """:meth:`generate` a piece at a time: yields after each request's prefill and each
+        verification pass, and returns the outputs, so that a caller can take turns between engines
+        (a benchmark times methods piece by piece, where a shared host's drift hits them alike)."""
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if len(self.scheduler):
@@ -175,11 +192,12 @@ class Engine:
             self._ensure_runner().cache.reserve(room)
         results: dict[int, Output] = {}
         while len(self.scheduler):
-            for update in self.step():
+            for update in (yield from self._step_in_pieces()):
                 if update.output is not None:
                     results[position[update.key]] = update.output
                     if on_finish is not None:
                         on_finish(update.output)
+            yield
         return [results[i] for i in range(len(results))]
 
     def add_request(
@@ -198,12 +216,18 @@ class Engine:
 
     def step(self) -> list[Update]:
         """Admit waiting requests into free rows, then one verification pass over the running batch."""
+        return run_to_end(self._step_in_pieces())
+
+    def _step_in_pieces(self) -> Generator[None, None, list[Update]]:
+        """:meth:`step`, yielding after each admitted request's prefill (a step that admits a whole
+        batch prefills for seconds)."""
         runner = self._ensure_runner()
         admitted = self.scheduler.admit()
         if admitted:  # one growth of the cache for all of them, if any
             runner.cache.reserve(max(self._room_for(a.request.tokens, a.request.config) for a in admitted))
         for admission in admitted:
             self.scheduler.start(self._admit(runner, admission))
+            yield
         batch = self.scheduler.running
         if not batch:
             return []
@@ -447,6 +471,15 @@ class Engine:
     def _row_of(self, key: int) -> int:
         """The cache row of a running request (a drafter sharing the cache asks once per request)."""
         return next(seq.row for seq in self.scheduler.running if seq.key == key)
+
+
+def run_to_end(stepwise: Generator[None, None, T]) -> T:
+    """Every step of a stepwise run at once; returns what the run returns."""
+    while True:
+        try:
+            next(stepwise)
+        except StopIteration as done:
+            return done.value
 
 
 def _per_request(
