@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import time
 
 import pytest
 
@@ -241,6 +240,9 @@ class Recorder:
     def reset(self):
         pass
 
+    def reserve(self, prompts, max_new_tokens, batch_size):
+        pass
+
     def steps(self, prompts, max_new_tokens, batch_size, on_finish):
         for prompt in prompts:
             self.prompts.append(prompt)
@@ -294,32 +296,37 @@ def test_repeats_and_batch_sizes_never_see_their_own_earlier_runs(tiny, monkeypa
     assert len(report.prompts) == 2 * TURNS  # medians of the repeats, for ar and mem
 
 
-def test_batched_methods_take_turns_step_by_step(tiny, monkeypatch):
-    """The machine drifts from minute to minute: at a batch size above 1 the methods run step by step
-    in turns, who goes first alternating between repeats, and each is timed over its own steps."""
+def test_batched_methods_take_turns(tiny, monkeypatch):
+    """The machine drifts from minute to minute: at a batch size above 1 the methods take turns of
+    ``TURN_SECONDS`` (each running whole pieces), in the reverse order every other round and who goes
+    first alternating between repeats; each is timed over its own pieces."""
+    clock = [0.0]  # advanced only by the slow method's pieces
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(bench, "TURN_SECONDS", 0.12)
     order = []
 
     class Named(Recorder):
-        def __init__(self, name, pause):
+        def __init__(self, name, seconds):
             super().__init__()
-            self.name, self.pause = name, pause
+            self.name, self.seconds = name, seconds
 
         def steps(self, prompts, max_new_tokens, batch_size, on_finish):
             for _ in prompts:
                 order.append((self.name, batch_size))
-                time.sleep(self.pause)
+                clock[0] += self.seconds
                 on_finish()
                 yield
             return [Generation([5], [1], 0, 0.0, 0.0) for _ in prompts]
 
-    for name, pause in (("slow", 0.05), ("quick", 0.0)):
-        monkeypatch.setitem(METHODS, name, MethodSpec(lambda setup, n=name, p=pause: Named(n, p)))
+    for name, seconds in (("slow", 0.05), ("quick", 0.0)):
+        monkeypatch.setitem(METHODS, name, MethodSpec(lambda setup, n=name, s=seconds: Named(n, s)))
     report = run_bench(tiny, QUESTIONS, ["slow", "quick"], max_new_tokens=4, repeats=2, batch_sizes=[2])
     pieces = [name for name, size in order if size == 2]
-    assert pieces == ["slow", "quick"] * TURNS + ["quick", "slow"] * TURNS
+    first = ["slow"] * 3 + ["quick"] * TURNS + ["slow"] * (TURNS - 3)  # ar, slow, quick; then back
+    second = ["quick"] * TURNS + ["slow"] * TURNS  # quick, slow, ar
+    assert pieces == first + second
     seconds = {b.method: b.run_seconds for b in report.batches}
-    assert all(s >= 0.05 * TURNS for s in seconds["slow"])
-    assert all(s < 0.05 for s in seconds["quick"])
+    assert seconds["slow"] == pytest.approx((0.05 * TURNS,) * 2) and seconds["quick"] == (0.0, 0.0)
 
 
 # --- the whole run -----------------------------------------------------------------------------------

@@ -530,6 +530,24 @@ def test_two_engines_taking_turns_piece_by_piece_stay_exact(tiny, prompts, plain
         assert [o.tokens for o in outputs] == [p.tokens for p in plain_outputs[:5]]
 
 
+def test_a_cache_sized_up_front_never_grows_during_the_run(tiny, prompts, plain_outputs, monkeypatch):
+    engine = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS)
+    engine.reserve(3, prompts[:5], NO_EOS)
+    runner, capacity = engine._ensure_runner(), engine._ensure_runner().cache.capacity
+    assert runner.cache.num_rows == 3 and capacity >= max(map(len, prompts[:5])) + NO_EOS.max_new_tokens
+
+    def refuse(self, *args):
+        raise AssertionError("the cache grew during the run")
+
+    monkeypatch.setattr(type(runner.cache.layers[0]), "grow", refuse)
+    outputs = engine.generate(prompts[:5], NO_EOS, batch_size=3)
+    assert engine._ensure_runner() is runner and runner.cache.capacity == capacity
+    assert [o.tokens for o in outputs] == [p.tokens for p in plain_outputs[:5]]
+    engine.add_request(prompts[0], NO_EOS)
+    with pytest.raises(RuntimeError, match="no request is unfinished"):
+        engine.reserve(3, prompts[:1], NO_EOS)
+
+
 def test_generate_needs_an_idle_engine(tiny, prompts):
     engine = Engine(tiny)
     engine.add_request(prompts[0], NO_EOS)

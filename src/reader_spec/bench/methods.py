@@ -95,6 +95,9 @@ class Method(Protocol):
         """Forget what earlier runs taught (response history, learned weights): each timed run then
         starts alike, and a repeat never drafts from the answers of the run it repeats."""
 
+    def reserve(self, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int) -> None:
+        """Allocate, before any timing, the memory a run over ``prompts`` keeps (an engine's cache)."""
+
     def steps(
         self, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int, on_finish: OnFinish
     ) -> Steps:
@@ -138,6 +141,9 @@ class EngineMethod:
         self.engine.forget_prefixes()
         if self.new_drafter is not None:
             self.engine.drafter = self.new_drafter()
+
+    def reserve(self, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int) -> None:
+        self.engine.reserve(batch_size, list(prompts), replace(self.sampling, max_new_tokens=max_new_tokens))
 
     def steps(
         self, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int, on_finish: OnFinish
@@ -217,6 +223,9 @@ class HFMethod:
 
     def reset(self) -> None:
         """``generate`` keeps nothing between calls."""
+
+    def reserve(self, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int) -> None:
+        """``generate`` allocates its cache in every call."""
 
     def steps(
         self, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int, on_finish: OnFinish

@@ -54,6 +54,9 @@ from reader_spec.prompts import encode_prompt
 
 Answers = dict[Question, list[str]]
 
+TURN_SECONDS = 1.0
+"""How long each method runs before the next takes its turn, in a batched run (see ``_in_turns``)."""
+
 
 @dataclass
 class BenchReport:
@@ -254,6 +257,7 @@ def _batched(
         order = batchable if repeat % 2 == 0 else batchable[::-1]
         for name in order:
             built[name].reset()
+            built[name].reserve(prompts, max_new_tokens, size)
         turns = _in_turns({name: built[name] for name in order}, prompts, max_new_tokens, size, bar)
         for name, run in turns.items():
             runs[name].append(run)
@@ -300,24 +304,36 @@ def _run(method: Method, prompts: list[list[int]], max_new_tokens: int, batch_si
 def _in_turns(
     methods: dict[str, Method], prompts: list[list[int]], max_new_tokens: int, batch_size: int, bar: tqdm
 ) -> dict[str, Run]:
-    """Each method's run over the same prompts, the methods taking turns a piece at a time (an engine's
-    step). A method's seconds are its own pieces'; its peak memory the highest during them, with the
+    """Each method's run over the same prompts, the methods taking turns of ``TURN_SECONDS``: each
+    runs pieces (an engine's prefill or pass) until its turn has lasted that long, in the reverse
+    order every other round. A shared host's speed drifts from minute to minute, far slower than a
+    turn; and a piece can leave work behind that slows the next one (garbage to collect, memory to
+    fault in), which a turn of many pieces leaves mostly to the method's own pieces, as a run alone
+    would. A method's seconds are its own pieces'; its peak memory the highest during them, with the
     other methods' models and caches resident (as at batch 1, where methods alternate by prompt)."""
     _reset_peak_rss()
     running = {name: m.steps(prompts, max_new_tokens, batch_size, bar.update) for name, m in methods.items()}
     seconds = dict.fromkeys(methods, 0.0)
     peaks = dict.fromkeys(methods, 0.0)
     runs: dict[str, Run] = {}
+    forwards = True
     while running:
-        for name, steps in list(running.items()):
+        order = list(running) if forwards else list(running)[::-1]
+        forwards = not forwards
+        for name in order:
+            steps, turn = running[name], 0.0
             _reset_peak_rss(hand_back=False)
-            start = time.perf_counter()
-            try:
-                next(steps)
-                outputs = None
-            except StopIteration as finished:
-                outputs = finished.value
-            seconds[name] += time.perf_counter() - start
+            while turn < TURN_SECONDS:
+                start = time.perf_counter()
+                try:
+                    next(steps)
+                    outputs = None
+                except StopIteration as finished:
+                    outputs = finished.value
+                turn += time.perf_counter() - start
+                if outputs is not None:
+                    break
+            seconds[name] += turn
             peaks[name] = max(peaks[name], _peak_rss_mib())
             if outputs is not None:
                 runs[name] = Run(outputs, seconds[name], peaks[name])

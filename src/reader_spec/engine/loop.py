@@ -255,6 +255,20 @@ class Engine:
             self.drafter.end(dropped.key)
         return dropped is not None
 
+    def reserve(
+        self, batch_size: int, prompts: Sequence[Prompt], config: GenerationConfig | None = None
+    ) -> None:
+        """Size the cache now for ``prompts`` decoded up to ``batch_size`` at a time with ``config``, so
+        that no step pays for it: growing the cache to a batch of long requests allocates and copies
+        every layer, for a second or more at batch 32 on a CPU (a server sizes it at start, a
+        benchmark before timing)."""
+        if len(self.scheduler):
+            raise RuntimeError("the cache can only be sized while no request is unfinished")
+        self.scheduler.grow(batch_size)
+        config = config or GenerationConfig()
+        if prompts:
+            self._ensure_runner().cache.reserve(max(self._room_for(self.encode(p), config) for p in prompts))
+
     def forget_prefixes(self) -> None:
         """No later request reuses what earlier ones left in the cache (a benchmark's repeats start cold)."""
         self.scheduler.forget_prefixes()
