@@ -535,11 +535,14 @@ def test_a_cache_sized_up_front_never_grows_during_the_run(tiny, prompts, plain_
     engine.reserve(3, prompts[:5], NO_EOS)
     runner, capacity = engine._ensure_runner(), engine._ensure_runner().cache.capacity
     assert runner.cache.num_rows == 3 and capacity >= max(map(len, prompts[:5])) + NO_EOS.max_new_tokens
+    assert runner.cache.allocated and int(runner.cache.lengths.sum()) == 0
 
     def refuse(self, *args):
         raise AssertionError("the cache grew during the run")
 
-    monkeypatch.setattr(type(runner.cache.layers[0]), "grow", refuse)
+    layer = type(runner.cache.layers[0])
+    monkeypatch.setattr(layer, "grow", refuse)
+    monkeypatch.setattr(layer, "lazy_initialization", refuse)
     outputs = engine.generate(prompts[:5], NO_EOS, batch_size=3)
     assert engine._ensure_runner() is runner and runner.cache.capacity == capacity
     assert [o.tokens for o in outputs] == [p.tokens for p in plain_outputs[:5]]

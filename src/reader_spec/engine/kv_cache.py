@@ -112,6 +112,11 @@ class RaggedKVCache(Cache):
         self._positions: torch.Tensor | None = None
         self._kv_length = 0
 
+    @property
+    def allocated(self) -> bool:
+        """Whether every layer's buffers exist (a pass writing them allocates them)."""
+        return all(layer.is_initialized for layer in self.layers)
+
     def lengths_of(self, rows: Sequence[int]) -> np.ndarray:
         """The committed lengths of ``rows``, read through numpy (the same memory): after a pass has
         swept the caches an indexed tensor read costs 15-60 us, a numpy one a few (docs/runner.md)."""

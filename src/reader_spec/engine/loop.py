@@ -266,8 +266,10 @@ class Engine:
             raise RuntimeError("the cache can only be sized while no request is unfinished")
         self.scheduler.grow(batch_size)
         config = config or GenerationConfig()
+        runner = self._ensure_runner()
         if prompts:
-            self._ensure_runner().cache.reserve(max(self._room_for(self.encode(p), config) for p in prompts))
+            runner.cache.reserve(max(self._room_for(self.encode(p), config) for p in prompts))
+        runner.allocate_cache()
 
     def forget_prefixes(self) -> None:
         """No later request reuses what earlier ones left in the cache (a benchmark's repeats start cold)."""

@@ -242,6 +242,14 @@ class ModelRunner:
             outputs.update(zip(chosen, pieces, strict=True))
         return [outputs[i] for i in range(len(kept))]
 
+    def allocate_cache(self) -> None:
+        """Allocate the cache's buffers now rather than in the first pass that writes them (they take
+        their shapes from a pass's keys and values): one token prefilled in row 0, then forgotten.
+        Only a cache no pass has written is touched, so no row's entries are lost."""
+        if not self.cache.allocated:
+            self.prefill(0, [0])
+            self.cache.lengths[0] = 0
+
     @torch.inference_mode()
     def prefill(self, row: int, tokens: Sequence[int], reused: int = 0) -> None:
         """Fill a cache row with a prompt, in chunks, past its first ``reused`` tokens (which the row
