@@ -4,8 +4,8 @@ Every method runs in one process on the same loaded model, after one warm-up eac
 methods are interleaved prompt by prompt, so machine drift hits all of them alike. A question's later
 turns carry ``ar``'s earlier answers, so every method decodes exactly the same prompts and outputs
 compare token for token. Batch runs decode every prompt (second turns included, categories
-interleaved) at each batch size above 1, with every method that can batch, the methods taking turns
-step by step (each timed over its own steps). Methods are reset before
+interleaved) at each batch size above 1, with every method that can batch, the methods taking
+turns of a second of steps (each timed over its own). Methods are reset before
 every timed pass (each repeat, each batch size), so that a source that learns across requests (the
 response history) has seen the earlier requests of its pass, never the answers it is being timed on.
 """
