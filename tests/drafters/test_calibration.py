@@ -8,15 +8,20 @@ from reader_spec.drafters.calibration import ProbabilityCalibrator, node_trials
 from reader_spec.engine.tree import Proposal
 
 
-def test_calibration_table_equals_the_calibrator():
-    calibrator = ProbabilityCalibrator(3, prior_strength=2.0)
+@pytest.mark.parametrize("shift_priors", [False, True])
+def test_calibration_table_equals_the_calibrator_after_every_update(shift_priors):
+    """The table is kept current cell by cell as updates arrive, not only rebuilt from scratch."""
+    calibrator = ProbabilityCalibrator(3, prior_strength=2.0, shift_priors=shift_priors)
     trials = ((0.01, True, 0), (0.5, False, 1), (0.97, True, 2), (0.5, True, 1), (1.0, False, 2))
     for q, hit, context in trials:
+        calibrator.table()
         calibrator.update(q, hit, context)
-    for context in range(3):
-        for q in (0.0, 0.01, 0.3, 0.5, 0.97, 0.99, 1.0):
-            assert calibrator.table()[calibrator.cell(q, context)] == calibrator(q, context)
-    assert calibrator(0.5, 1) == pytest.approx((0.55 * 2 + 1) / 4)
+        for cell_context in range(3):
+            for estimate in (0.0, 0.01, 0.3, 0.5, 0.97, 0.99, 1.0):
+                cell = calibrator.cell(estimate, cell_context)
+                assert calibrator.table()[cell] == calibrator(estimate, cell_context)
+    if not shift_priors:
+        assert calibrator(0.5, 1) == pytest.approx((0.55 * 2 + 1) / 4)
 
 
 def test_a_calibrator_learns_and_keeps_contexts_apart():

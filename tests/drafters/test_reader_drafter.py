@@ -201,7 +201,7 @@ def test_index_matches_brute_force_on_its_own_suffix(index_class) -> None:
         assert match.length == length
         assert index.occurrences(match, 10**6) == ends
         limit = rng.randrange(1, 5)
-        assert index.continuations(match, limit, 4) == [text[q + 1 : q + 5] for q in ends[:limit]]
+        assert index.continuations(match, limit, 4) == [(text[q + 1 : q + 5], 1.0) for q in ends[:limit]]
 
 
 def test_index_matches_brute_force_on_external_queries(index_class) -> None:

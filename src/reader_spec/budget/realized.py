@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 
 class RealizedAcceptance:
     """Draft tokens accepted per unit of probability the kept nodes were given, over recent steps.
@@ -91,8 +89,8 @@ class RealizedCost:
         self.decay = decay
         self.prior = prior
         self.band = band
-        self._moments = np.zeros((3, 3))
-        self._targets = np.zeros(3)
+        self._moments = [[0.0] * 3 for _ in range(3)]
+        self._targets = [0.0] * 3
         """Decayed sums of x x^T and x y over passes, x = (1, u, n): u the curve's extra for the
         drafts and y the measured seconds, both over the curve's plain entry, n the draft tokens."""
 
@@ -100,12 +98,16 @@ class RealizedCost:
         """``(base, extra, per_token)``: what the plain pass, the drafts' extra and each draft token
         cost against the curve (``per_token`` as a share of the plain pass)."""
         # Minimise sum (y - x . theta)^2 + sum_i weight_i (theta_i - held_i)^2.
-        weights = self.prior * np.array([1.0, EXTRA_SCALE**2, 1.0])
-        held = np.array([1.0, 1.0, 0.0])
-        lhs, rhs = self._moments + np.diag(weights), self._targets + weights * held
-        base, extra, per_token = np.linalg.solve(lhs, rhs)
+        weights = (self.prior, self.prior * EXTRA_SCALE**2, self.prior)
+        held = (1.0, 1.0, 0.0)
+        lhs = [
+            [m + (w if i == j else 0.0) for j, m in enumerate(row)]
+            for i, (row, w) in enumerate(zip(self._moments, weights, strict=True))
+        ]
+        rhs = [t + w * h for t, w, h in zip(self._targets, weights, held, strict=True)]
+        base, extra, per_token = _solve_positive_definite(lhs, rhs)
         if per_token < 0:  # the curve's shape already prices the tokens: refit with per_token held at 0
-            (base, extra), per_token = np.linalg.solve(lhs[:2, :2], rhs[:2]), 0.0
+            (base, extra), per_token = _solve_positive_definite([row[:2] for row in lhs[:2]], rhs[:2]), 0.0
         base = min(max(base, 1.0 / self.band), self.band)
         extra = min(max(extra, 1.0 / EXTRA_RANGE), EXTRA_RANGE)
         return float(base), float(extra), float(per_token)
@@ -113,19 +115,36 @@ class RealizedCost:
     def record(self, plain: float, predicted: float, drafted: int, measured: float) -> None:
         """One step's pass: the curve's seconds for a plain pass and for the pass as verified, its
         draft tokens, and the seconds it took."""
-        self._moments *= self.decay
-        self._targets *= self.decay
-        if not 1.0 / self.band <= measured / predicted <= self.band:
-            return
-        x = np.array([1.0, (predicted - plain) / plain, float(drafted)])
-        self._moments += np.outer(x, x)
-        self._targets += x * (measured / plain)
+        decay, counted = self.decay, 1.0 / self.band <= measured / predicted <= self.band
+        x = (1.0, (predicted - plain) / plain, float(drafted)) if counted else (0.0, 0.0, 0.0)
+        y = measured / plain
+        for row, x_i, i in zip(self._moments, x, range(3), strict=True):
+            self._targets[i] = self._targets[i] * decay + x_i * y
+            for j in range(3):
+                row[j] = row[j] * decay + x_i * x[j]
 
     def adjust(self, seconds: Sequence[float]) -> list[float]:
         """A cost table (seconds by draft tokens) as passes have been costing."""
         base, extra, per_token = self.factors()
         plain = seconds[0]
         return [plain * (base + per_token * n) + (t - plain) * extra for n, t in enumerate(seconds)]
+
+
+def _solve_positive_definite(lhs: list[list[float]], rhs: list[float]) -> list[float]:
+    """``lhs x = rhs`` for a small symmetric positive-definite ``lhs``, by Gaussian elimination (such a
+    matrix needs no pivoting). In plain floats: for a 3 x 3 system numpy's per-call overhead is most of
+    the cost, and the engine solves one every step it drafts."""
+    a, b, n = [list(row) for row in lhs], list(rhs), len(rhs)
+    for k in range(n):
+        for i in range(k + 1, n):
+            f = a[i][k] / a[k][k]
+            for j in range(k, n):
+                a[i][j] -= f * a[k][j]
+            b[i] -= f * b[k]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (b[i] - sum(a[i][j] * x[j] for j in range(i + 1, n))) / a[i][i]
+    return x
 
 
 @dataclass

@@ -65,9 +65,11 @@ class ProbabilityCalibrator:
         c = self.cell(q, context)
         self._hits[c] += hit
         self._trials[c] += 1.0
-        self._table = None
-        if self._shifted is not None:
+        if self._shifted is not None:  # the context's priors move with its evidence: all its cells
             self._shifted[context] = None
+            self._table = None
+        elif self._table is not None:  # one cell moved (recomputing all is most of a step's drafting)
+            self._table = (*self._table[:c], self._estimate(c), *self._table[c + 1 :])
 
     def table(self) -> tuple[float, ...]:
         """Every cell's estimate, ``table()[cell(q, context)] == self(q, context)``."""

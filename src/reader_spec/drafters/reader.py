@@ -239,7 +239,7 @@ class ReaderDrafter:
 
     def _context_match(self, name: str, index: AnyNgramIndex, match: Match, depth: int) -> SourceMatch:
         continuations = index.continuations(match, self.max_occurrences, depth)
-        return self._match(name, match.length, [(c, 1.0) for c in continuations], depth)
+        return self._match(name, match.length, continuations, depth)
 
     def _match(self, name: str, length: int, continuations, depth: int) -> SourceMatch:
         table = self.calibrators[name].table()

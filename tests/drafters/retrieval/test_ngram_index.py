@@ -27,8 +27,14 @@ def test_compiled_and_pure_indexes_agree():
                 match = pure.suffix_match(length)
                 assert compiled.suffix_match(length) == match
                 assert compiled.occurrences(match, 1000) == pure.occurrences(match, 1000)
-            limit, depth = rng.randint(1, 70), rng.randint(1, 9)
-            assert compiled.continuations(own, limit, depth) == pure.continuations(own, limit, depth)
+            limit, depth, stop = (
+                rng.randint(1, 70),
+                rng.randint(1, 9),
+                rng.choice([None, rng.randrange(vocab)]),
+            )
+            assert compiled.continuations(own, limit, depth, stop) == pure.continuations(
+                own, limit, depth, stop
+            )
             query = [rng.randrange(vocab) for _ in range(rng.randint(0, 15))]
             match = pure.longest_match(query)
             assert compiled.longest_match(query) == match

@@ -61,9 +61,4 @@ class ResponseHistory:
         match = self._index.longest_match(text)
         if match.length == 0:
             return 0, []
-        continuations = []
-        for continuation in self._index.continuations(match, max_occurrences, max_depth):
-            if SEPARATOR in continuation:
-                continuation = continuation[: continuation.index(SEPARATOR)]
-            continuations.append((continuation, 1.0))
-        return match.length, continuations
+        return match.length, self._index.continuations(match, max_occurrences, max_depth, stop=SEPARATOR)

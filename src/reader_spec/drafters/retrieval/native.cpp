@@ -24,17 +24,42 @@
 
 namespace {
 
+// A prefix trie in flat arrays, children as sibling lists in insertion order; reused from call to call
+// (clear keeps the capacity), so that building one allocates nothing once the buffers have grown.
 struct Trie {
-  std::vector<int64_t> token{-1};
-  std::vector<int> depth{0};
-  std::vector<double> weight{0.0};
-  std::vector<double> child_weight{0.0};
-  std::vector<std::vector<std::pair<int64_t, int>>> children{{}};
+  std::vector<int64_t> token;
+  std::vector<int> depth, first_child, last_child, next_sibling;
+  std::vector<double> weight, child_weight;
+
+  void clear() {
+    token.assign(1, -1);
+    depth.assign(1, 0);
+    first_child.assign(1, -1);
+    last_child.assign(1, -1);
+    next_sibling.assign(1, -1);
+    weight.assign(1, 0.0);
+    child_weight.assign(1, 0.0);
+  }
 
   int child(int node, int64_t tok) const {
-    for (const auto& [t, c] : children[node])
-      if (t == tok) return c;
+    for (int c = first_child[node]; c >= 0; c = next_sibling[c])
+      if (token[c] == tok) return c;
     return -1;
+  }
+
+  int add_child(int node, int64_t tok) {
+    const int c = static_cast<int>(token.size());
+    token.push_back(tok);
+    depth.push_back(depth[node] + 1);
+    first_child.push_back(-1);
+    last_child.push_back(-1);
+    next_sibling.push_back(-1);
+    weight.push_back(0.0);
+    child_weight.push_back(0.0);
+    if (last_child[node] < 0) first_child[node] = c;
+    else next_sibling[last_child[node]] = c;
+    last_child[node] = c;
+    return c;
   }
 };
 
@@ -61,6 +86,7 @@ bool as_int64(PyObject* obj, int64_t* out) {
 
 // build_continuation_trie over a sequence of (tokens, weight) pairs.
 bool build_trie(PyObject* continuations, Trie* trie) {
+  trie->clear();
   PyObject* items = PySequence_Fast(continuations, "continuations must be a sequence");
   if (!items) return false;
   Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
@@ -91,15 +117,7 @@ bool build_trie(PyObject* continuations, Trie* trie) {
         }
         trie->child_weight[node] += w;
         int c = trie->child(node, t);
-        if (c < 0) {
-          c = static_cast<int>(trie->token.size());
-          trie->children[node].emplace_back(t, c);
-          trie->token.push_back(t);
-          trie->depth.push_back(trie->depth[node] + 1);
-          trie->weight.push_back(0.0);
-          trie->child_weight.push_back(0.0);
-          trie->children.emplace_back();
-        }
+        if (c < 0) c = trie->add_child(node, t);
         trie->weight[c] += w;
         node = c;
       }
@@ -136,19 +154,29 @@ struct Entry {
 
 class Selector {
  public:
-  Selector(std::vector<Source>& sources, const Calibration& calibration, Py_ssize_t max_breadth)
-      : sources_(sources), calibration_(calibration), breadth_(max_breadth) {}
+  // Forget the last selection, keeping the buffers' capacity: one selector serves every call.
+  void reset(const Source* sources, size_t count, const Calibration* calibration, Py_ssize_t max_breadth) {
+    sources_ = sources;
+    count_ = count;
+    calibration_ = calibration;
+    breadth_ = max_breadth;
+    order_ = 0;
+    store_.clear();
+    heap_.clear();
+    picked_.clear();
+  }
 
   // push_children: every source's children of the path's nodes, the best calibrated estimate per token.
   bool push(int nodes, double prob, int index) {
-    const size_t s = sources_.size();
+    const size_t s = count_;
     entries_.clear();
     for (size_t k = 0; k < s; ++k) {
       int node = store_[nodes + k];
       if (node < 0) continue;
       const Trie& trie = sources_[k].trie;
       const double total = trie.child_weight[node] + 1.0;
-      for (const auto& [tok, child] : trie.children[node]) {
+      for (int child = trie.first_child[node]; child >= 0; child = trie.next_sibling[child]) {
+        const int64_t tok = trie.token[child];
         Entry* entry = nullptr;
         for (auto& e : entries_)
           if (e.token == tok) {
@@ -167,10 +195,10 @@ class Selector {
         ++entry->proposers;
       }
     }
-    const size_t buckets = calibration_.bounds.size();
+    const size_t buckets = calibration_->bounds.size();
     ranked_.clear();
     for (const Entry& e : entries_) {
-      const long agreement = std::min<long>(e.proposers, calibration_.agreement_levels) - 1;
+      const long agreement = std::min<long>(e.proposers, calibration_->agreement_levels) - 1;
       Candidate best{0.0, 0, index, -1, e.token, e.nodes, 0, 0.0};
       for (size_t k = 0; k < s; ++k) {
         int child = scratch_[e.nodes + k];
@@ -183,7 +211,7 @@ class Selector {
           return false;
         }
         const double raw = scratch_raw_[e.nodes + k];
-        const auto& bounds = calibration_.bounds;
+        const auto& bounds = calibration_->bounds;
         long bucket = static_cast<long>(std::upper_bound(bounds.begin(), bounds.end(), raw) - bounds.begin()) - 1;
         const long context = source.contexts[d] + agreement;
         const size_t cell = static_cast<size_t>(context) * buckets + static_cast<size_t>(std::max(bucket, 0L));
@@ -224,7 +252,7 @@ class Selector {
 
   bool run(Py_ssize_t max_nodes) {
     int root = static_cast<int>(store_.size());
-    store_.insert(store_.end(), sources_.size(), 0);
+    store_.insert(store_.end(), count_, 0);
     if (!push(root, 1.0, -1)) return false;
     while (!heap_.empty() && static_cast<Py_ssize_t>(picked_.size()) < max_nodes) {
       std::pop_heap(heap_.begin(), heap_.end(), Later());
@@ -270,9 +298,10 @@ class Selector {
   }
 
  private:
-  std::vector<Source>& sources_;
-  const Calibration& calibration_;
-  Py_ssize_t breadth_;
+  const Source* sources_ = nullptr;
+  size_t count_ = 0;
+  const Calibration* calibration_ = nullptr;
+  Py_ssize_t breadth_ = 0;
   std::vector<int> store_;          // per candidate, its node in each source's trie (-1: absent)
   std::vector<int> scratch_;        // the same for the entries of one push
   std::vector<double> scratch_raw_; // and each source's raw estimate of the entry
@@ -288,6 +317,7 @@ template <typename T>
 bool as_vector(PyObject* sequence, const char* what, std::vector<T>* out) {
   PyObject* items = PySequence_Fast(sequence, what);
   if (!items) return false;
+  out->clear();
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items); ++i) {
     PyObject* item = PySequence_Fast_GET_ITEM(items, i);
     T value = std::is_floating_point_v<T> ? static_cast<T>(PyFloat_AsDouble(item)) : static_cast<T>(PyLong_AsLong(item));
@@ -307,7 +337,8 @@ PyObject* draft_tree(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   Py_ssize_t max_nodes = PyLong_AsSsize_t(args[1]);
   Py_ssize_t max_breadth = PyLong_AsSsize_t(args[2]);
-  Calibration calibration{{}, PyLong_AsLong(args[4])};
+  thread_local Calibration calibration;
+  calibration.agreement_levels = PyLong_AsLong(args[4]);
   if (PyErr_Occurred() || !as_vector(args[3], "bounds must be a sequence", &calibration.bounds)) return nullptr;
   if (calibration.bounds.empty() || calibration.agreement_levels < 1) {
     PyErr_SetString(PyExc_ValueError, "need at least one bucket bound and one agreement level");
@@ -315,9 +346,14 @@ PyObject* draft_tree(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   PyObject* items = PySequence_Fast(args[0], "sources must be a sequence");
   if (!items) return nullptr;
-  std::vector<Source> sources(static_cast<size_t>(PySequence_Fast_GET_SIZE(items)));
+  // Reused from call to call (drafting calls this for every sequence of every step): only the first
+  // `count` sources are this call's; the pool never shrinks, so their buffers keep their capacity.
+  thread_local std::vector<Source> sources;
+  thread_local Selector selector;
+  const size_t count = static_cast<size_t>(PySequence_Fast_GET_SIZE(items));
+  if (sources.size() < count) sources.resize(count);
   PyObject* result = nullptr;
-  for (size_t k = 0; k < sources.size(); ++k) {
+  for (size_t k = 0; k < count; ++k) {
     PyObject* source = PySequence_Fast_GET_ITEM(items, static_cast<Py_ssize_t>(k));
     if (!PyTuple_Check(source) || PyTuple_GET_SIZE(source) != 4) {
       PyErr_SetString(PyExc_TypeError, "a source must be a (name, continuations, contexts, table) tuple");
@@ -329,11 +365,9 @@ PyObject* draft_tree(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         !as_vector(PyTuple_GET_ITEM(source, 3), "table must be a sequence", &sources[k].table))
       goto done;
   }
-  {
-    Selector selector(sources, calibration, max_breadth);
-    if (max_nodes > 0 && !sources.empty() && selector.run(max_nodes)) result = selector.result();
-    else if (!PyErr_Occurred()) result = selector.result();
-  }
+  selector.reset(sources.data(), count, &calibration, max_breadth);
+  if (max_nodes > 0 && count > 0 && selector.run(max_nodes)) result = selector.result();
+  else if (!PyErr_Occurred()) result = selector.result();
 done:
   Py_DECREF(items);
   return result;
@@ -724,25 +758,35 @@ PyObject* table_longest_match(PyObject* self, PyObject* query) {
   return Py_BuildValue("(ii)", length, end);
 }
 
-// continuations(length, end, max_occurrences, max_depth): what followed the newest occurrences.
+// continuations(length, end, max_occurrences, max_depth, stop): what followed the newest occurrences,
+// each cut before `stop` (-1: none), as (tokens, 1.0) pairs: the weighted continuations draft_tree takes.
 PyObject* table_continuations(PyObject* self, PyObject* args) {
   const Table& table = *reinterpret_cast<NgramTable*>(self)->table;
   int length, end;
   Py_ssize_t limit, max_depth;
-  if (!PyArg_ParseTuple(args, "iinn", &length, &end, &limit, &max_depth)) return nullptr;
+  long long stop;
+  if (!PyArg_ParseTuple(args, "iinnL", &length, &end, &limit, &max_depth, &stop)) return nullptr;
   const std::vector<int32_t> ends = table.occurrences(length, end, limit);
   PyObject* out = PyList_New(static_cast<Py_ssize_t>(ends.size()));
+  PyObject* weight = PyFloat_FromDouble(1.0);
+  if (!weight) Py_CLEAR(out);
   const Py_ssize_t size = static_cast<Py_ssize_t>(table.tokens.size());
   for (size_t i = 0; out && i < ends.size(); ++i) {
-    const Py_ssize_t from = ends[i] + 1, to = std::min(size, from + std::max<Py_ssize_t>(max_depth, 0));
+    const Py_ssize_t from = ends[i] + 1;
+    Py_ssize_t to = std::min(size, from + std::max<Py_ssize_t>(max_depth, 0));
+    for (Py_ssize_t j = from; j < to; ++j)
+      if (static_cast<long long>(table.tokens[j]) == stop) to = j;
     PyObject* row = PyList_New(std::max<Py_ssize_t>(to - from, 0));
-    if (!row) {
+    PyObject* pair = row ? PyTuple_Pack(2, row, weight) : nullptr;
+    Py_XDECREF(row);
+    if (!pair) {
       Py_CLEAR(out);
       break;
     }
     for (Py_ssize_t j = from; j < to; ++j) PyList_SET_ITEM(row, j - from, PyLong_FromUnsignedLong(table.tokens[j]));
-    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), row);
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), pair);
   }
+  Py_XDECREF(weight);
   return out;
 }
 
@@ -773,7 +817,7 @@ PyMethodDef table_methods[] = {
     {"own_match", table_own_match, METH_O, "(length, end) of the text's own suffix of a length (0: longest)."},
     {"longest_match", table_longest_match, METH_O, "(length, end) of a query's longest suffix found."},
     {"occurrences", table_occurrences, METH_VARARGS, "End positions of a match's newest occurrences."},
-    {"continuations", table_continuations, METH_VARARGS, "What followed a match's newest occurrences."},
+    {"continuations", table_continuations, METH_VARARGS, "What followed a match's newest occurrences, weighted."},
     {"copy", table_copy, METH_NOARGS, "An independent copy."},
     {nullptr, nullptr, 0, nullptr}};
 

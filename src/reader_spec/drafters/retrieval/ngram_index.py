@@ -174,10 +174,18 @@ class NgramIndex(_Text):
             q = prev[q * stride + offset]
         return ends
 
-    def continuations(self, match: Match, max_occurrences: int, max_depth: int) -> list[list[int]]:
-        """What followed each of the newest occurrences: up to ``max_depth`` tokens, cut at the text end."""
-        toks = self._tokens
-        return [toks[q + 1 : q + 1 + max_depth] for q in self.occurrences(match, max_occurrences)]
+    def continuations(
+        self, match: Match, max_occurrences: int, max_depth: int, stop: int | None = None
+    ) -> list[tuple[list[int], float]]:
+        """What followed each of the newest occurrences, weighing 1 each (as ``draft_tree`` takes
+        continuations): up to ``max_depth`` tokens, cut at the text end and before ``stop``."""
+        toks, weighted = self._tokens, []
+        for q in self.occurrences(match, max_occurrences):
+            continuation = toks[q + 1 : q + 1 + max_depth]
+            if stop in continuation:
+                continuation = continuation[: continuation.index(stop)]
+            weighted.append((continuation, 1.0))
+        return weighted
 
 
 class CompiledNgramIndex(_Text):
@@ -212,8 +220,12 @@ class CompiledNgramIndex(_Text):
     def occurrences(self, match: Match, limit: int) -> list[int]:
         return self._table.occurrences(match.length, match.end, limit)
 
-    def continuations(self, match: Match, max_occurrences: int, max_depth: int) -> list[list[int]]:
-        return self._table.continuations(match.length, match.end, max_occurrences, max_depth)
+    def continuations(
+        self, match: Match, max_occurrences: int, max_depth: int, stop: int | None = None
+    ) -> list[tuple[list[int], float]]:
+        return self._table.continuations(
+            match.length, match.end, max_occurrences, max_depth, -1 if stop is None else stop
+        )
 
 
 AnyNgramIndex = NgramIndex | CompiledNgramIndex

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from reader_spec.drafters.calibration import RAW_BOUNDS, raw_bucket
 from reader_spec.drafters.retrieval import native
@@ -71,8 +72,7 @@ def build_continuation_trie(continuations: Iterable[tuple[Sequence[int], float]]
     return trie
 
 
-@dataclass(frozen=True)
-class SourceMatch:
+class SourceMatch(NamedTuple):
     """One source's weighted continuations after its longest match, and how to calibrate them:
     ``contexts[d - 1]`` is the first calibration context of edges into depth ``d`` (``match_contexts``)
     and ``table`` the source's calibrated estimates (``ProbabilityCalibrator.table``)."""
