@@ -56,3 +56,19 @@ def test_a_continuation_deeper_than_its_contexts_is_refused(retrieval_path):
 def test_a_context_outside_the_table_is_refused(retrieval_path):
     with pytest.raises(IndexError):
         draft_tree([SourceMatch("context", 1, [([1], 1.0)], [4], [0.5] * len(RAW_BOUNDS))], 4)
+
+
+def test_a_refused_call_leaves_the_next_drafts_exact(monkeypatch):
+    """The core keeps its buffers from call to call: one that fails half-way must not leak into the next."""
+    assert native.core() is not None, "the compiled retrieval core must build here (make builds it)"
+    rng = random.Random(5)
+    table = ProbabilityCalibrator(16).table()
+    refused = [SourceMatch("context", 1, [([1], 1.0), ([1, 2, 3], 1.0)], [0], table)]
+    for _ in range(200):
+        with pytest.raises(IndexError):
+            draft_tree(refused, 4)
+        sources, max_nodes = random_sources(rng), rng.randint(1, 40)
+        compiled = draft_tree(sources, max_nodes)
+        with monkeypatch.context() as m:
+            m.setattr(native, "core", lambda: None)
+            assert compiled == draft_tree(sources, max_nodes)

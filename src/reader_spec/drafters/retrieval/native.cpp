@@ -162,6 +162,8 @@ class Selector {
     breadth_ = max_breadth;
     order_ = 0;
     store_.clear();
+    scratch_.clear();  // a push that failed left its entries
+    scratch_raw_.clear();
     heap_.clear();
     picked_.clear();
   }
