@@ -457,9 +457,19 @@ def test_a_next_turn_starts_from_a_copy_of_the_ended_turns_index(monkeypatch, re
     assert list(reused._requests["other"].index.tokens) == [7, 8, 9, *turn[:50]] and len(copies) == 1
 
 
-def test_compiled_and_pure_drafting_agree_through_a_whole_run(tmp_path, monkeypatch):
-    """Context, history and a datastore, fed back as a replay does: the compiled core and the pure
-    functions propose the same trees and leave the calibrators in the same state."""
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"half_matches": False, "max_breadth": 2},
+        {"context": False, "min_match": 2, "max_ngram": 5},
+        {"history_tokens": 0, "max_depth": 3, "max_occurrences": 5},
+    ],
+)
+def test_compiled_and_pure_drafting_agree_through_a_whole_run(tmp_path, monkeypatch, settings):
+    """Context, history and a datastore, fed back as a replay does, with extensions after drafted
+    paths: the compiled core and the pure functions propose the same trees and leave the
+    calibrators in the same state."""
     from reader_spec.drafters.retrieval import native
     from reader_spec.drafters.retrieval.datastore import Datastore
 
@@ -471,11 +481,15 @@ def test_compiled_and_pure_drafting_agree_through_a_whole_run(tmp_path, monkeypa
     texts = [[t for _ in range(40) for t in rng.choice(phrases)] for _ in range(3)]
 
     def run() -> tuple[list[Proposal], list]:
-        drafter, proposals = ReaderDrafter(datastore=store), []
+        drafter, proposals = ReaderDrafter(datastore=store, **settings), []
         for number, text in enumerate(texts):
             drafter.begin(number, text[:30])
             at = 30
             while at < len(text):
+                path = text[at : at + rng_budget.randint(1, 4)]
+                if rng_budget.random() < 0.3:  # a path the text does not take
+                    path = [rng_budget.randrange(40) for _ in path]
+                proposals.append(drafter.propose_extensions([number], [path], rng_budget.randint(0, 12))[0])
                 proposal = drafter.propose(number, rng_budget.randint(1, 24))
                 proposals.append(proposal)
                 accepted, node = [], -1
@@ -505,9 +519,8 @@ def test_compiled_and_pure_drafting_agree_through_a_whole_run(tmp_path, monkeypa
     rng_budget = random.Random(1)
     pure = run()
     assert compiled == pure
-    assert sum(len(p) for p in pure[0]) > 1000 and {"datastore", "history", "context"} <= {
-        s for p in pure[0] for s in p.sources
-    }
+    sources = set(ReaderDrafter(datastore=store, **settings).source_names)  # each of them drafted
+    assert sum(len(p) for p in pure[0]) > 1000 and {s for p in pure[0] for s in p.sources} == sources
 
 
 def test_a_batch_proposes_what_its_requests_propose_one_by_one(tmp_path, retrieval_path):

@@ -15,11 +15,17 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from reader_spec.drafters.calibration import node_trials
-from reader_spec.drafters.retrieval.calibration import match_contexts, source_calibrator
+from reader_spec.drafters.calibration import RAW_BOUNDS, node_trials
+from reader_spec.drafters.retrieval import native
+from reader_spec.drafters.retrieval.calibration import (
+    AGREEMENT_LEVELS,
+    MATCH_BOUNDS,
+    match_contexts,
+    source_calibrator,
+)
 from reader_spec.drafters.retrieval.datastore import Datastore
-from reader_spec.drafters.retrieval.history import DEFAULT_MAX_TOKENS, ResponseHistory
-from reader_spec.drafters.retrieval.ngram_index import AnyNgramIndex, Match, ngram_index
+from reader_spec.drafters.retrieval.history import DEFAULT_MAX_TOKENS, SEPARATOR, ResponseHistory
+from reader_spec.drafters.retrieval.ngram_index import AnyNgramIndex, CompiledNgramIndex, Match, ngram_index
 from reader_spec.drafters.retrieval.tries import Estimate, SourceMatch, draft_tree
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
 
@@ -28,6 +34,9 @@ REUSED_INDEXES = 4
 request's whole text (the next turn of a conversation, which re-sends it) starts from a copy of that
 index and indexes only what is new. Measured on agent traces, indexing each turn's context from
 scratch was over half of the drafter's time."""
+
+_SOURCE_ORDER = ("context", "context-half", "history", "history-half", "datastore")
+"""The sources in the order their matches join a tree (which decides ties): the compiled core's too."""
 
 
 class ContinuationSource(Protocol):
@@ -186,27 +195,71 @@ class ReaderDrafter:
         self, states: Sequence[_Request], max_nodes: int, after: Sequence[Sequence[int]]
     ) -> list[tuple[Proposal, _Pending | None]]:
         """Each request's tree from its text followed by ``after[i]``, the datastore searched for the
-        whole batch in one call."""
+        whole batch in one call; the whole batch in one call of the compiled core where it is built."""
         if max_nodes <= 0:
             return [(EMPTY_PROPOSAL, None)] * len(states)
         depth = min(self.max_depth, max_nodes)  # a node at depth d needs d nodes of budget
-        texts = [
-            [*state.index.tokens, *extra] if extra else state.index.tokens
-            for state, extra in zip(states, after, strict=True)
-        ]
         stored: list = [None] * len(states)
         if self.datastore is not None:
+            texts = [_text(state, extra) for state, extra in zip(states, after, strict=True)]
             stored = _lookup_all(self.datastore, texts, self.max_occurrences, depth)
-        drafted = []
-        for state, text, extra, found in zip(states, texts, after, stored, strict=True):
-            matches = [
-                m
-                for m in self._source_matches(state.index, text, bool(extra), depth, found)
-                if m.match_length >= self.min_match
-            ]
-            proposal, estimates = draft_tree(matches, max_nodes, self.max_breadth)
-            drafted.append((proposal, _Pending(proposal, estimates) if proposal else None))
-        return drafted
+        core = native.core()
+        indexes = [s.index for s in states] + ([self.history.index] if self.history is not None else [])
+        if core is not None and all(isinstance(index, CompiledNgramIndex) for index in indexes):
+            drafted = self._draft_compiled(core, states, max_nodes, after, stored)
+        else:
+            drafted = []
+            for state, extra, found in zip(states, after, stored, strict=True):
+                matches = [
+                    m
+                    for m in self._source_matches(state.index, _text(state, extra), bool(extra), depth, found)
+                    if m.match_length >= self.min_match
+                ]
+                drafted.append(draft_tree(matches, max_nodes, self.max_breadth))
+        return [
+            (proposal, _Pending(proposal, estimates) if proposal else None) for proposal, estimates in drafted
+        ]
+
+    def _draft_compiled(
+        self,
+        core,
+        states: Sequence[_Request],
+        max_nodes: int,
+        after: Sequence[Sequence[int]],
+        stored: Sequence[tuple[int, Sequence[tuple[Sequence[int], float]]] | None],
+    ) -> list[tuple[Proposal, tuple[Estimate, ...]]]:
+        """:meth:`_source_matches` and ``draft_tree`` for the whole batch in the compiled core: the
+        same trees, the continuations read from the tables there instead of carried through Python."""
+        tables = tuple(
+            self.calibrators[name].table() if name in self.calibrators else None for name in _SOURCE_ORDER
+        )
+        settings = (
+            max_nodes,
+            self.max_depth,
+            self.max_occurrences,
+            self.min_match,
+            self.max_breadth or 0,
+            self.use_context,
+            self.half_matches,
+            SEPARATOR,
+        )
+        requests = [
+            (s.index.table, tuple(extra), found) for s, extra, found in zip(states, after, stored, strict=True)
+        ]
+        drafted = core.draft_batch(
+            requests,
+            None if self.history is None else self.history.index.table,
+            _SOURCE_ORDER,
+            tables,
+            settings,
+            RAW_BOUNDS,
+            AGREEMENT_LEVELS,
+            MATCH_BOUNDS,
+        )
+        return [
+            (Proposal(tokens, parents, probs, labels), estimates) if tokens else (EMPTY_PROPOSAL, ())
+            for tokens, parents, probs, labels, estimates in drafted
+        ]
 
     def _source_matches(
         self,
@@ -280,6 +333,11 @@ class ReaderDrafter:
             self.history.add(state.index.tokens[state.prompt_length :])
         if len(state.index) > 1:
             self._ended.append(state.index)
+
+
+def _text(state: _Request, extra: Sequence[int]) -> Sequence[int]:
+    """A request's text followed by drafted tokens (the indexed text itself where there are none)."""
+    return [*state.index.tokens, *extra] if extra else state.index.tokens
 
 
 def _lookup_all(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from reader_spec.drafters.retrieval.ngram_index import ngram_index
+from reader_spec.drafters.retrieval.ngram_index import AnyNgramIndex, ngram_index
 
 SEPARATOR = 2**32 - 2
 """Ends every response in the index: never a token id, so no match or continuation crosses it."""
@@ -36,6 +36,11 @@ class ResponseHistory:
     def __len__(self) -> int:
         """Tokens held."""
         return self._size
+
+    @property
+    def index(self) -> AnyNgramIndex:
+        """The responses' index, each response followed by ``SEPARATOR``."""
+        return self._index
 
     def add(self, response: Sequence[int]) -> None:
         """Remember a finished response; the oldest ones go once the limit is passed."""

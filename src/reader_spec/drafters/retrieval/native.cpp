@@ -67,7 +67,7 @@ struct Source {
   PyObject* name;  // borrowed from the caller's arguments
   Trie trie;
   std::vector<long> contexts;  // per depth, the first calibration context of edges into it
-  std::vector<double> table;   // calibrated estimates by cell: context x raw-estimate bucket
+  const std::vector<double>* table;  // calibrated estimates by cell: context x raw-estimate bucket
 };
 
 // How raw estimates are calibrated: the buckets' lower bounds, and how many agreement levels.
@@ -217,11 +217,11 @@ class Selector {
         long bucket = static_cast<long>(std::upper_bound(bounds.begin(), bounds.end(), raw) - bounds.begin()) - 1;
         const long context = source.contexts[d] + agreement;
         const size_t cell = static_cast<size_t>(context) * buckets + static_cast<size_t>(std::max(bucket, 0L));
-        if (context < 0 || cell >= source.table.size()) {
+        if (context < 0 || cell >= source.table->size()) {
           PyErr_SetString(PyExc_IndexError, "a calibration context lies outside its source's table");
           return false;
         }
-        const double calibrated = source.table[cell];
+        const double calibrated = (*source.table)[cell];
         if (calibrated > best.prob) {
           best.prob = calibrated;
           best.label = static_cast<int>(k);
@@ -330,6 +330,28 @@ bool as_vector(PyObject* sequence, const char* what, std::vector<T>* out) {
   return !PyErr_Occurred();
 }
 
+// The calibration arguments every drafting call takes: the raw-estimate buckets' lower bounds and the
+// agreement levels. False with the Python error set.
+bool as_calibration(PyObject* bounds, PyObject* agreement_levels, Calibration* out) {
+  out->agreement_levels = PyLong_AsLong(agreement_levels);
+  if (PyErr_Occurred() || !as_vector(bounds, "bounds must be a sequence", &out->bounds)) return false;
+  if (out->bounds.empty() || out->agreement_levels < 1) {
+    PyErr_SetString(PyExc_ValueError, "need at least one bucket bound and one agreement level");
+    return false;
+  }
+  return true;
+}
+
+// The best nodes of the first `count` sources' tries, as draft_tree returns them. One selector serves
+// every call of a thread (drafting calls this for every sequence of every step).
+PyObject* select(const std::vector<Source>& sources, size_t count, const Calibration& calibration,
+                 Py_ssize_t max_nodes, Py_ssize_t max_breadth) {
+  thread_local Selector selector;
+  selector.reset(sources.data(), count, &calibration, max_breadth);
+  if (max_nodes > 0 && count > 0 && !selector.run(max_nodes)) return nullptr;
+  return selector.result();
+}
+
 // draft_tree(sources, max_nodes, max_breadth, bounds, agreement_levels): sources is a sequence of
 // (name, continuations, contexts, table); max_breadth 0 means unlimited.
 PyObject* draft_tree(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -340,20 +362,16 @@ PyObject* draft_tree(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_ssize_t max_nodes = PyLong_AsSsize_t(args[1]);
   Py_ssize_t max_breadth = PyLong_AsSsize_t(args[2]);
   thread_local Calibration calibration;
-  calibration.agreement_levels = PyLong_AsLong(args[4]);
-  if (PyErr_Occurred() || !as_vector(args[3], "bounds must be a sequence", &calibration.bounds)) return nullptr;
-  if (calibration.bounds.empty() || calibration.agreement_levels < 1) {
-    PyErr_SetString(PyExc_ValueError, "need at least one bucket bound and one agreement level");
-    return nullptr;
-  }
+  if (PyErr_Occurred() || !as_calibration(args[3], args[4], &calibration)) return nullptr;
   PyObject* items = PySequence_Fast(args[0], "sources must be a sequence");
   if (!items) return nullptr;
-  // Reused from call to call (drafting calls this for every sequence of every step): only the first
-  // `count` sources are this call's; the pool never shrinks, so their buffers keep their capacity.
+  // Reused from call to call: only the first `count` sources are this call's; the pools never shrink,
+  // so their buffers keep their capacity.
   thread_local std::vector<Source> sources;
-  thread_local Selector selector;
+  thread_local std::vector<std::vector<double>> tables;
   const size_t count = static_cast<size_t>(PySequence_Fast_GET_SIZE(items));
   if (sources.size() < count) sources.resize(count);
+  if (tables.size() < count) tables.resize(count);
   PyObject* result = nullptr;
   for (size_t k = 0; k < count; ++k) {
     PyObject* source = PySequence_Fast_GET_ITEM(items, static_cast<Py_ssize_t>(k));
@@ -362,14 +380,13 @@ PyObject* draft_tree(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       goto done;
     }
     sources[k].name = PyTuple_GET_ITEM(source, 0);
+    sources[k].table = &tables[k];
     if (!build_trie(PyTuple_GET_ITEM(source, 1), &sources[k].trie) ||
         !as_vector(PyTuple_GET_ITEM(source, 2), "contexts must be a sequence", &sources[k].contexts) ||
-        !as_vector(PyTuple_GET_ITEM(source, 3), "table must be a sequence", &sources[k].table))
+        !as_vector(PyTuple_GET_ITEM(source, 3), "table must be a sequence", &tables[k]))
       goto done;
   }
-  selector.reset(sources.data(), count, &calibration, max_breadth);
-  if (max_nodes > 0 && count > 0 && selector.run(max_nodes)) result = selector.result();
-  else if (!PyErr_Occurred()) result = selector.result();
+  result = select(sources, count, calibration, max_nodes, max_breadth);
 done:
   Py_DECREF(items);
   return result;
@@ -641,10 +658,9 @@ struct Table {
     suffix_match = count;
   }
 
-  // NgramIndex.longest_match(query), query given as its last tokens.
-  std::pair<int, int32_t> longest(const std::vector<uint32_t>& tail) {
-    const int size = static_cast<int>(tail.size());
-    const uint32_t* at = tail.data() + size - 1;
+  // NgramIndex.longest_match(query), the query given as its last `size` tokens (at most max_ngram),
+  // ending at `at`.
+  std::pair<int, int32_t> longest(const uint32_t* at, int size) {
     int length = 0;
     int32_t end = -1;
     uint64_t hash = 0;
@@ -661,15 +677,40 @@ struct Table {
     return {length, end};
   }
 
-  std::vector<int32_t> occurrences(int length, int32_t end, Py_ssize_t limit) const {
-    std::vector<int32_t> ends;
-    if (length == 0 || limit <= 0) return ends;
-    if (depth[end] < length) return {end};
-    while (end >= 0 && static_cast<Py_ssize_t>(ends.size()) < limit) {
-      ends.push_back(end);
+  // The end positions of up to `limit` occurrences of a match, newest first, each passed to `visit`.
+  template <typename Visit>
+  void each_occurrence(int length, int32_t end, Py_ssize_t limit, Visit visit) const {
+    if (length == 0 || limit <= 0) return;
+    if (depth[end] < length) {  // matched past a leaf's keys: it is the only occurrence
+      visit(end);
+      return;
+    }
+    for (Py_ssize_t found = 0; end >= 0 && found < limit; ++found) {
+      visit(end);
       end = prev[static_cast<size_t>(end) * max_ngram + length - 1];
     }
+  }
+
+  std::vector<int32_t> occurrences(int length, int32_t end, Py_ssize_t limit) const {
+    std::vector<int32_t> ends;
+    each_occurrence(length, end, limit, [&](int32_t q) { ends.push_back(q); });
     return ends;
+  }
+
+  // The match of the text's own last `length` tokens before them (0: its longest), as own_match.
+  std::pair<int, int32_t> own(int length) const {
+    if (length == 0) length = suffix_match;
+    if (length == 0) return {0, -1};
+    return {length, prev[(tokens.size() - 1) * max_ngram + length - 1]};
+  }
+
+  // Where the tokens after `end` run up to: `max_depth` of them, cut at the text's end and before `stop`.
+  Py_ssize_t continuation_end(int32_t end, Py_ssize_t max_depth, long long stop) const {
+    const Py_ssize_t from = end + 1;
+    const Py_ssize_t to = std::min(static_cast<Py_ssize_t>(tokens.size()), from + std::max<Py_ssize_t>(max_depth, 0));
+    for (Py_ssize_t j = from; j < to; ++j)
+      if (static_cast<long long>(tokens[j]) == stop) return j;
+    return to;
   }
 };
 
@@ -734,14 +775,12 @@ PyObject* table_own_match(PyObject* self, PyObject* arg) {
   const Table& table = *reinterpret_cast<NgramTable*>(self)->table;
   long length = PyLong_AsLong(arg);
   if (length == -1 && PyErr_Occurred()) return nullptr;
-  if (length == 0) length = table.suffix_match;
   if (length < 0 || length > table.suffix_match) {
     PyErr_Format(PyExc_ValueError, "the text's suffix matches %d tokens, not %ld", table.suffix_match, length);
     return nullptr;
   }
-  if (length == 0) return Py_BuildValue("(ii)", 0, -1);
-  const size_t last = table.tokens.size() - 1;
-  return Py_BuildValue("(li)", length, table.prev[last * table.max_ngram + length - 1]);
+  auto [matched, end] = table.own(static_cast<int>(length));
+  return Py_BuildValue("(ii)", matched, end);
 }
 
 PyObject* table_longest_match(PyObject* self, PyObject* query) {
@@ -756,7 +795,7 @@ PyObject* table_longest_match(PyObject* self, PyObject* query) {
   const bool ok = as_tokens(tail, &tokens);
   Py_DECREF(tail);
   if (!ok) return nullptr;
-  auto [length, end] = table.longest(tokens);
+  auto [length, end] = table.longest(tokens.data() + tokens.size() - 1, static_cast<int>(tokens.size()));
   return Py_BuildValue("(ii)", length, end);
 }
 
@@ -772,12 +811,9 @@ PyObject* table_continuations(PyObject* self, PyObject* args) {
   PyObject* out = PyList_New(static_cast<Py_ssize_t>(ends.size()));
   PyObject* weight = PyFloat_FromDouble(1.0);
   if (!weight) Py_CLEAR(out);
-  const Py_ssize_t size = static_cast<Py_ssize_t>(table.tokens.size());
   for (size_t i = 0; out && i < ends.size(); ++i) {
     const Py_ssize_t from = ends[i] + 1;
-    Py_ssize_t to = std::min(size, from + std::max<Py_ssize_t>(max_depth, 0));
-    for (Py_ssize_t j = from; j < to; ++j)
-      if (static_cast<long long>(table.tokens[j]) == stop) to = j;
+    const Py_ssize_t to = table.continuation_end(ends[i], max_depth, stop);
     PyObject* row = PyList_New(std::max<Py_ssize_t>(to - from, 0));
     PyObject* pair = row ? PyTuple_Pack(2, row, weight) : nullptr;
     Py_XDECREF(row);
@@ -838,10 +874,211 @@ PyTypeObject NgramTableType = [] {
   return type;
 }();
 
+
+// ---------------------------------------------------------------------------------------------
+// draft_batch: reader.py's ReaderDrafter._source_matches and draft_tree for every request of a step
+// in one call, the tries built straight from the n-gram tables: the same drafts as the Python path,
+// without the Python objects that carried the continuations from the tables to the tries (most of
+// proposing's time for a batch).
+
+enum SourceKind { kContext, kContextHalf, kHistory, kHistoryHalf, kDatastore, kSourceKinds };
+
+struct DraftSettings {
+  Py_ssize_t max_nodes, max_depth, max_occurrences, min_match, max_breadth;
+  int use_context, half_matches;
+  long long stop;  // where the history's continuations end (its separator)
+  Calibration calibration;
+  std::vector<long> match_bounds;
+};
+
+// The continuations of a table's match as a trie: what build_trie makes of table_continuations' pairs.
+void build_trie(const Table& table, int length, int32_t end, const DraftSettings& settings, long long stop,
+                Py_ssize_t depth, Trie* trie) {
+  trie->clear();
+  table.each_occurrence(length, end, settings.max_occurrences, [&](int32_t q) {
+    trie->weight[0] += 1.0;
+    int node = 0;
+    const Py_ssize_t to = table.continuation_end(q, depth, stop);
+    for (Py_ssize_t j = q + 1; j < to; ++j) {
+      trie->child_weight[node] += 1.0;
+      int c = trie->child(node, table.tokens[j]);
+      if (c < 0) c = trie->add_child(node, table.tokens[j]);
+      trie->weight[c] += 1.0;
+      node = c;
+    }
+  });
+}
+
+// calibration.py's match_contexts: per depth d, the first calibration context of edges into it.
+void match_contexts(long match_length, Py_ssize_t depth, const DraftSettings& settings, std::vector<long>* out) {
+  const auto& bounds = settings.match_bounds;
+  out->clear();
+  for (Py_ssize_t d = 0; d < depth; ++d) {
+    const long bucket = static_cast<long>(std::upper_bound(bounds.begin(), bounds.end(), match_length + d) - bounds.begin()) - 1;
+    out->push_back(std::max(bucket, 0L) * settings.calibration.agreement_levels);
+  }
+}
+
+// The last `size` tokens of a request's text (its indexed tokens, then `extra`), into `out`.
+void text_tail(const Table& table, const std::vector<uint32_t>& extra, size_t size, std::vector<uint32_t>* out) {
+  out->clear();
+  const size_t from_extra = std::min(size, extra.size());
+  const size_t from_table = std::min(size - from_extra, table.tokens.size());
+  out->insert(out->end(), table.tokens.end() - static_cast<Py_ssize_t>(from_table), table.tokens.end());
+  out->insert(out->end(), extra.end() - static_cast<Py_ssize_t>(from_extra), extra.end());
+}
+
+// A table's longest match of the text's last `size` tokens (at most its max_ngram).
+std::pair<int, int32_t> longest_of(Table& table, const std::vector<uint32_t>& tail, size_t size) {
+  const int n = static_cast<int>(std::min({size, tail.size(), static_cast<size_t>(table.max_ngram)}));
+  if (n == 0) return {0, -1};
+  return table.longest(tail.data() + tail.size() - 1, n);
+}
+
+// One call's requests, one at a time; kept from call to call, so that its tries and buffers keep their
+// capacity.
+class BatchDrafter {
+ public:
+  void reset(const DraftSettings* settings, PyObject* const* names, const std::vector<double>* tables,
+             Table* history) {
+    settings_ = settings;
+    names_ = names;
+    tables_ = tables;
+    history_ = history;
+  }
+
+  // One request's tree: (tokens, parents, probs, labels, estimates), as draft_tree returns them.
+  PyObject* draft(Table& context, const std::vector<uint32_t>& extra, PyObject* found) {
+    if (settings_->max_nodes <= 0) return select(sources_, 0, settings_->calibration, 0, 0);
+    const Py_ssize_t depth = std::min(settings_->max_depth, settings_->max_nodes);
+    const size_t span = static_cast<size_t>(std::max(context.max_ngram, history_ ? history_->max_ngram : 0));
+    text_tail(context, extra, span, &tail_);
+    const bool extended = !extra.empty();
+    count_ = 0;
+    if (settings_->use_context) {
+      auto [length, end] = extended ? longest_of(context, tail_, context.max_ngram) : context.own(0);
+      add(kContext, context, length, end, -1, depth);
+      if (settings_->half_matches && length >= 2) {
+        auto [half, half_end] = extended ? longest_of(context, tail_, length / 2) : context.own(length / 2);
+        add(kContextHalf, context, half, half_end, -1, depth);
+      }
+    }
+    if (history_ != nullptr) {
+      auto [length, end] = longest_of(*history_, tail_, tail_.size());
+      add(kHistory, *history_, length, end, settings_->stop, depth);
+      if (settings_->half_matches && length >= 2) {
+        auto [half, half_end] = longest_of(*history_, tail_, length / 2);
+        add(kHistoryHalf, *history_, half, half_end, settings_->stop, depth);
+      }
+    }
+    if (found != Py_None) {
+      long length;
+      PyObject* continuations;
+      if (!PyArg_ParseTuple(found, "lO", &length, &continuations)) return nullptr;
+      if (length >= settings_->min_match) {
+        Source& source = next(kDatastore, length, depth);
+        if (!build_trie(continuations, &source.trie)) return nullptr;
+      }
+    }
+    return select(sources_, count_, settings_->calibration, settings_->max_nodes, settings_->max_breadth);
+  }
+
+ private:
+  Source& next(SourceKind kind, long length, Py_ssize_t depth) {
+    if (sources_.size() <= count_) sources_.resize(count_ + 1);
+    Source& source = sources_[count_++];
+    source.name = names_[kind];
+    source.table = &tables_[kind];
+    match_contexts(length, depth, *settings_, &source.contexts);
+    return source;
+  }
+
+  void add(SourceKind kind, const Table& table, int length, int32_t end, long long stop, Py_ssize_t depth) {
+    if (length < settings_->min_match) return;
+    build_trie(table, length, end, *settings_, stop, depth, &next(kind, length, depth).trie);
+  }
+
+  const DraftSettings* settings_ = nullptr;
+  PyObject* const* names_ = nullptr;
+  const std::vector<double>* tables_ = nullptr;
+  Table* history_ = nullptr;
+  std::vector<Source> sources_;
+  size_t count_ = 0;
+  std::vector<uint32_t> tail_;
+};
+
+// draft_batch(requests, history, names, tables, settings, bounds, agreement_levels, match_bounds):
+// requests is a sequence of (NgramTable of the request's text, tokens drafted after it (empty: none),
+// the datastore's (match length, continuations) or None); history the responses' NgramTable or None;
+// names and tables the sources' labels and calibration tables in SourceKind's order (a table of a
+// source not in use may be None); settings (max_nodes, max_depth, max_occurrences, min_match,
+// max_breadth, use_context, half_matches, the history's stop token). A list of draft_tree's results.
+PyObject* draft_batch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 8) {
+    PyErr_SetString(PyExc_TypeError,
+                    "draft_batch(requests, history, names, tables, settings, bounds, agreement_levels, match_bounds)");
+    return nullptr;
+  }
+  thread_local DraftSettings settings;
+  if (!PyArg_ParseTuple(args[4], "nnnnnppL", &settings.max_nodes, &settings.max_depth, &settings.max_occurrences,
+                        &settings.min_match, &settings.max_breadth, &settings.use_context, &settings.half_matches,
+                        &settings.stop) ||
+      !as_calibration(args[5], args[6], &settings.calibration) ||
+      !as_vector(args[7], "match_bounds must be a sequence", &settings.match_bounds))
+    return nullptr;
+  Table* history = nullptr;
+  if (args[1] != Py_None) {
+    if (!PyObject_TypeCheck(args[1], &NgramTableType)) {
+      PyErr_SetString(PyExc_TypeError, "history must be an NgramTable or None");
+      return nullptr;
+    }
+    history = reinterpret_cast<NgramTable*>(args[1])->table;
+  }
+  if (!PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) != kSourceKinds || !PyTuple_Check(args[3]) ||
+      PyTuple_GET_SIZE(args[3]) != kSourceKinds) {
+    PyErr_SetString(PyExc_TypeError, "names and tables must be tuples with an entry per source kind");
+    return nullptr;
+  }
+  PyObject* names[kSourceKinds];
+  thread_local std::vector<double> tables[kSourceKinds];
+  for (int k = 0; k < kSourceKinds; ++k) {
+    names[k] = PyTuple_GET_ITEM(args[2], k);
+    PyObject* table = PyTuple_GET_ITEM(args[3], k);
+    tables[k].clear();
+    if (table != Py_None && !as_vector(table, "a calibration table must be a sequence", &tables[k])) return nullptr;
+  }
+  PyObject* items = PySequence_Fast(args[0], "requests must be a sequence");
+  if (!items) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(items);
+  PyObject* out = PyList_New(n);
+  thread_local BatchDrafter drafter;
+  drafter.reset(&settings, names, tables, history);
+  std::vector<uint32_t> extra;
+  for (Py_ssize_t i = 0; out && i < n; ++i) {
+    PyObject* request = PySequence_Fast_GET_ITEM(items, i);
+    PyObject *table, *after, *found;
+    if (!PyTuple_Check(request) || !PyArg_ParseTuple(request, "O!OO", &NgramTableType, &table, &after, &found)) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "a request must be a (table, extra tokens, found) tuple");
+      Py_CLEAR(out);
+      break;
+    }
+    extra.clear();
+    PyObject* drafted = as_tokens(after, &extra)
+                            ? drafter.draft(*reinterpret_cast<NgramTable*>(table)->table, extra, found)
+                            : nullptr;
+    if (!drafted) Py_CLEAR(out);
+    else PyList_SET_ITEM(out, i, drafted);
+  }
+  Py_DECREF(items);
+  return out;
+}
+
 PyMethodDef methods[] = {
     {"draft_tree", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(draft_tree)), METH_FASTCALL,
      "Merge sources' continuations into tries and pick the best nodes: (tokens, parents, probs, labels, "
      "(context, raw estimate) per node)."},
+    {"draft_batch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(draft_batch)), METH_FASTCALL,
+     "Every request's draft tree from its text, the history and the datastore's matches, in one call."},
     {"lookup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(lookup)), METH_FASTCALL,
      "For each query, a datastore's longest suffix of it and the counted continuations of its occurrences."},
     {nullptr, nullptr, 0, nullptr}};

@@ -199,6 +199,11 @@ class CompiledNgramIndex(_Text):
         self._table = native.core().NgramTable(max_ngram) if table is None else table
         self._tokens: list[int] = [] if tokens is None else tokens
 
+    @property
+    def table(self):
+        """The compiled table (``native.NgramTable``), for the core's calls that read it directly."""
+        return self._table
+
     def copy(self) -> CompiledNgramIndex:
         return CompiledNgramIndex(self.max_ngram, self._table.copy(), list(self._tokens))
 
