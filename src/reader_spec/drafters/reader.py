@@ -244,7 +244,8 @@ class ReaderDrafter:
             SEPARATOR,
         )
         requests = [
-            (s.index.table, tuple(extra), found) for s, extra, found in zip(states, after, stored, strict=True)
+            (state.index.table, tuple(extra), found)
+            for state, extra, found in zip(states, after, stored, strict=True)
         ]
         drafted = core.draft_batch(
             requests,
