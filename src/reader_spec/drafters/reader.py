@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from reader_spec.drafters.calibration import RAW_BOUNDS, node_trials
@@ -77,11 +77,23 @@ class _Pending:
 
 @dataclass
 class _Request:
-    index: AnyNgramIndex
+    _index: AnyNgramIndex
     prompt_length: int
+    unindexed: list[int] = field(default_factory=list)
+    """Tokens emitted since the request was last drafted for: indexed when it next is (the engine's
+    drafting gate skips most steps where drafts do not pay, and appending a step's tokens at a time
+    cost more than all else a skipped step asks of the drafter)."""
     pending: _Pending | None = None
     extension: _Pending | None = None
     """The last :meth:`ReaderDrafter.propose_extensions` proposal, learned from apart."""
+
+    @property
+    def index(self) -> AnyNgramIndex:
+        """The request's whole text, indexed."""
+        if self.unindexed:
+            self._index.append(self.unindexed)
+            self.unindexed = []
+        return self._index
 
 
 class ReaderDrafter:
@@ -161,7 +173,7 @@ class ReaderDrafter:
         self._requests[request] = _Request(index, len(prompt))
 
     def extend(self, request: Hashable, tokens: Sequence[int]) -> None:
-        self._requests[request].index.append(tokens)
+        self._requests[request].unindexed.extend(tokens)
 
     def propose(self, request: Hashable, max_nodes: int) -> Proposal:
         return self.propose_batch([request], max_nodes)[0]
