@@ -166,7 +166,7 @@ def batch_speedup(result: BatchResult, batches: Sequence[BatchResult]) -> float:
     """Throughput over ``ar``'s at the same batch size: with repeats, the median over repeats of each
     repeat's ratio to ``ar``'s run of the same repeat. A shared host's speed drifts by a fifth within
     minutes; a ratio of runs minutes apart (each method's median run) carries that drift, a ratio of
-    the runs of one repeat, which took turns of a second, next to none of it."""
+    the runs of one repeat, which took turns of a tenth of a second, next to none of it."""
     base = next((b for b in batches if b.method == REFERENCE and b.batch_size == result.batch_size), None)
     if base is None or not base.tokens_per_second:
         return 0.0
@@ -279,7 +279,7 @@ def _source_tables(prompts: Sequence[PromptResult]) -> list[str]:
 def _batch_table(batches: Sequence[BatchResult], sizes: list[int], settings: dict) -> list[str]:
     lines = [
         f"Batches (all {settings.get('prompts')} prompts, categories interleaved; whole-run throughput, "
-        "the methods taking turns of a second):",
+        "the methods taking turns of a tenth of a second):",
         "",
         "| method | batch | tokens/s | speedup | tokens/step | drafted/step | identical to ar "
         "| peak RSS MiB |",
@@ -301,7 +301,7 @@ def _legend() -> list[str]:
     return [
         "speedup: tokens/s over ar's, tokens/s per question (both turns) averaged over questions "
         "(Spec-Bench); in batches, whole-run throughput over ar's at the same batch size, each method "
-        "timed over its own steps while the methods take turns of a second (with repeats, the median "
+        "timed over its own steps while the methods take turns of a tenth of a second (with repeats, the median "
         "of each repeat's ratio to ar's run of that repeat, who goes first alternating; tokens/s is the "
         "median run's; peak RSS with every method's caches resident). "
         "tokens/step: tokens emitted per target-model step, bonus included (plain decoding 1.00). "

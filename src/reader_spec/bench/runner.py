@@ -5,7 +5,7 @@ methods are interleaved prompt by prompt, so machine drift hits all of them alik
 turns carry ``ar``'s earlier answers, so every method decodes exactly the same prompts and outputs
 compare token for token. Batch runs decode every prompt (second turns included, categories
 interleaved) at each batch size above 1, with every method that can batch, the methods taking
-turns of a second of steps (each timed over its own). Methods are reset before
+turns of a tenth of a second of steps (each timed over its own). Methods are reset before
 every timed pass (each repeat, each batch size), so that a source that learns across requests (the
 response history) has seen the earlier requests of its pass, never the answers it is being timed on.
 """
@@ -54,8 +54,11 @@ from reader_spec.prompts import encode_prompt
 
 Answers = dict[Question, list[str]]
 
-TURN_SECONDS = 1.0
-"""How long each method runs before the next takes its turn, in a batched run (see ``_in_turns``)."""
+TURN_SECONDS = 0.1
+"""How long each method runs before the next takes its turn, in a batched run (see ``_in_turns``).
+Measured as two ``ar`` engines against each other on the bench's 42 prompts (docs/runner.md,
+session 54): turns of a second left their ratio 0.986-1.013 over 11 runs at batch 8 and 32, turns of
+a tenth 0.997-1.002 over 7; a tenth is still several passes at batch 8 and two at batch 32."""
 
 
 @dataclass
@@ -306,10 +309,10 @@ def _in_turns(
 ) -> dict[str, Run]:
     """Each method's run over the same prompts, the methods taking turns of ``TURN_SECONDS``: each
     runs pieces (an engine's prefill or pass) until its turn has lasted that long, in the reverse
-    order every other round. A shared host's speed drifts from minute to minute, far slower than a
-    turn; and a piece can leave work behind that slows the next one (garbage to collect, memory to
-    fault in), which a turn of many pieces leaves mostly to the method's own pieces, as a run alone
-    would. A method's seconds are its own pieces'; its peak memory the highest during them, with the
+    order every other round. A shared host's speed changes within seconds (a Zen 4 host here
+    switches its memory bandwidth), so turns are short; and a piece can leave work behind that slows
+    the next one (garbage to collect, memory to fault in), which a turn of several pieces leaves
+    mostly to the method's own pieces, as a run alone would. A method's seconds are its own pieces'; its peak memory the highest during them, with the
     other methods' models and caches resident (as at batch 1, where methods alternate by prompt)."""
     _reset_peak_rss()
     running = {name: m.steps(prompts, max_new_tokens, batch_size, bar.update) for name, m in methods.items()}

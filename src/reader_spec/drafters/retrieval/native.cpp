@@ -5,6 +5,8 @@
 //   build_continuation_trie, select_best_first). Floating-point operations run in the
 //   same order as in Python, ties break the same way (children in insertion order, the heap by push
 //   order), so both paths give identical proposals.
+// draft_batch: the same for every request of a step, each source's match found and its trie built in
+//   the n-gram tables here (reader.py: ReaderDrafter._source_matches, then draft_tree).
 // lookup: a datastore's longest suffix of each query of a batch, by bisection on the memory-mapped
 //   arrays, and the counted continuations of a sample of its occurrences (datastore.py:
 //   Datastore.lookup); the queries run in parallel.
@@ -976,7 +978,7 @@ class BatchDrafter {
       PyObject* continuations;
       if (!PyArg_ParseTuple(found, "lO", &length, &continuations)) return nullptr;
       if (length >= settings_->min_match) {
-        Source& source = next(kDatastore, length, depth);
+        Source& source = start_source(kDatastore, length, depth);
         if (!build_trie(continuations, &source.trie)) return nullptr;
       }
     }
@@ -984,7 +986,8 @@ class BatchDrafter {
   }
 
  private:
-  Source& next(SourceKind kind, long length, Py_ssize_t depth) {
+  // The next source of the request's tree, labelled and calibrated as `kind`, its trie left to fill.
+  Source& start_source(SourceKind kind, long length, Py_ssize_t depth) {
     if (sources_.size() <= count_) sources_.resize(count_ + 1);
     Source& source = sources_[count_++];
     source.name = names_[kind];
@@ -995,7 +998,7 @@ class BatchDrafter {
 
   void add(SourceKind kind, const Table& table, int length, int32_t end, long long stop, Py_ssize_t depth) {
     if (length < settings_->min_match) return;
-    build_trie(table, length, end, *settings_, stop, depth, &next(kind, length, depth).trie);
+    build_trie(table, length, end, *settings_, stop, depth, &start_source(kind, length, depth).trie);
   }
 
   const DraftSettings* settings_ = nullptr;
