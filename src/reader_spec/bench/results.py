@@ -301,9 +301,9 @@ def _legend() -> list[str]:
     return [
         "speedup: tokens/s over ar's, tokens/s per question (both turns) averaged over questions "
         "(Spec-Bench); in batches, whole-run throughput over ar's at the same batch size, each method "
-        "timed over its own steps while the methods take turns of a tenth of a second (with repeats, the median "
-        "of each repeat's ratio to ar's run of that repeat, who goes first alternating; tokens/s is the "
-        "median run's; peak RSS with every method's caches resident). "
+        "timed over its own steps while the methods take turns of a tenth of a second (with repeats, "
+        "the median of each repeat's ratio to ar's run of that repeat, who goes first alternating; "
+        "tokens/s is the median run's; peak RSS with every method's caches resident). "
         "tokens/step: tokens emitted per target-model step, bonus included (plain decoding 1.00). "
         "drafted/step: draft tokens verified per step and sequence. identical to ar: outputs equal "
         "token for token to ar's on the same prompt. verify: the target model's forward passes, prefill "

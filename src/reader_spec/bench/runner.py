@@ -312,8 +312,9 @@ def _in_turns(
     order every other round. A shared host's speed changes within seconds (a Zen 4 host here
     switches its memory bandwidth), so turns are short; and a piece can leave work behind that slows
     the next one (garbage to collect, memory to fault in), which a turn of several pieces leaves
-    mostly to the method's own pieces, as a run alone would. A method's seconds are its own pieces'; its peak memory the highest during them, with the
-    other methods' models and caches resident (as at batch 1, where methods alternate by prompt)."""
+    mostly to the method's own pieces, as a run alone would. A method's seconds are its own pieces';
+    its peak memory the highest during them, with the other methods' models and caches resident (as
+    at batch 1, where methods alternate by prompt)."""
     _reset_peak_rss()
     running = {name: m.steps(prompts, max_new_tokens, batch_size, bar.update) for name, m in methods.items()}
     seconds = dict.fromkeys(methods, 0.0)
