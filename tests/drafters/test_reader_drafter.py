@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from reader_spec.drafters import Drafter, ReaderDrafter
-from reader_spec.drafters.calibration import ProbabilityCalibrator
-from reader_spec.drafters.retrieval.calibration import match_contexts
+from reader_spec.drafters.calibration import RAW_BOUNDS, ProbabilityCalibrator
+from reader_spec.drafters.retrieval.calibration import AGREEMENT_LEVELS, MATCH_BOUNDS, match_contexts
 from reader_spec.drafters.retrieval.ngram_index import Match
 from reader_spec.drafters.retrieval.tries import SourceTrie, build_continuation_trie, select_best_first
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
@@ -619,3 +619,42 @@ def test_an_extension_is_learned_from_apart_and_only_while_current(retrieval_pat
     drafter.propose("r", 8)  # a new step: the last extension is stale
     drafter.observe_extension("r", extension.truncated(2), [0, 1])
     assert calibration_tables(drafter) == learned
+
+
+def test_a_refused_batch_leaves_the_next_drafts_exact(monkeypatch):
+    """A batch the compiled core refuses half-way (a request that is not an index's table, a
+    calibration table too short for a source's contexts) raises, and the next batch drafts as the
+    pure path does."""
+    from reader_spec.drafters.retrieval import native
+
+    core = native.core()
+    assert core is not None, "the compiled retrieval core must build here (make builds it)"
+    rng = random.Random(3)
+    phrases = [[rng.randrange(20) for _ in range(rng.randint(2, 6))] for _ in range(6)]
+    texts = [[t for _ in range(40) for t in rng.choice(phrases)] for _ in range(4)]
+
+    def proposals() -> list[Proposal]:
+        drafter = ReaderDrafter()
+        for number, text in enumerate(texts[:-1]):
+            drafter.begin(number, text)
+            drafter.end(number)  # into the history
+        drafter.begin("r", texts[-1])
+        return [drafter.propose("r", budget) for budget in (1, 5, 16)]
+
+    compiled = proposals()
+    drafter = ReaderDrafter()
+    drafter.begin("r", texts[-1])
+    state = drafter._requests["r"]
+    settings = (8, 8, 64, 1, 0, True, True, 0)
+    bounds = (RAW_BOUNDS, AGREEMENT_LEVELS, MATCH_BOUNDS)
+    tables = tuple(ProbabilityCalibrator(16).table() for _ in range(5))
+    names = ("context", "context-half", "history", "history-half", "datastore")
+    with pytest.raises(TypeError):
+        core.draft_batch(
+            [(state.index.table, (), None), ([1, 2], (), None)], None, names, tables, settings, *bounds
+        )
+    with pytest.raises(IndexError):
+        core.draft_batch([(state.index.table, (), None)], None, names, ((0.5,),) * 5, settings, *bounds)
+    assert proposals() == compiled
+    monkeypatch.setattr(native, "core", lambda: None)
+    assert proposals() == compiled and sum(map(len, compiled)) > 5
