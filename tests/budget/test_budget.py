@@ -353,6 +353,20 @@ def test_realized_cost_prices_draft_tokens_a_flat_curve_called_free():
     assert adjusted[8] - adjusted[0] == pytest.approx(16.0, rel=0.15)
 
 
+def test_one_token_passes_dearer_than_the_curve_do_not_scale_every_tree():
+    """Passes of one draft token that cost more than the curve says raise the price of a token, not
+    the curve's whole extra by their ratio (which would price every larger tree that much too high
+    and keep the allocation at one token, the only size it then measures)."""
+    curve = [17.03, 17.79, 19.83, 21.51, 22.57, 23.14, 24.67, 27.36, 28.92]  # batch 8, one minute's
+    cost = RealizedCost()
+    for step in range(64):  # a trial of one token every 8 steps, 2 ms over the plain pass
+        drafted = 1 if step % 8 == 0 else 0
+        cost.record(curve[0], curve[drafted], drafted, measured=curve[0] + 2.0 * drafted)
+    adjusted = [t - cost.adjust(curve)[0] for t in cost.adjust(curve)]
+    assert adjusted[1] > curve[1] - curve[0]  # one token is dearer than the curve says
+    assert adjusted[4] < 1.6 * (curve[4] - curve[0]) and adjusted[8] < 1.6 * (curve[8] - curve[0])
+
+
 def test_realized_cost_is_held_within_its_band_and_fades_back_to_the_curve():
     cost = RealizedCost(decay=0.9, prior=0.01, band=2.0)
     for _ in range(200):  # drafts whose pass costs no more than a plain one

@@ -49,10 +49,14 @@ class RealizedAcceptance:
         self.accepted = self.accepted * self.decay + accepted
 
 
-EXTRA_SCALE = 0.02
+EXTRA_SCALE = 0.1
 """A pass's drafts as a share of a plain pass, for weighing ``RealizedCost``'s prior on their extra:
 its prior steps are passes whose drafts add this much (one to eight draft tokens add 10-100% to a
-plain pass at batch 1 on this project's CPUs; a curve timed in a slow minute priced nine at 4%)."""
+plain pass at batch 1 on this project's CPUs). A pass whose drafts the curve prices at a few percent
+says little about the curve's shape: at batch 8 the first pass of one draft token (4% on the curve,
+three times that in the run) set ``extra`` near 3 with a prior of 0.02, which priced every larger
+tree three times too high for the rest of the run (docs/runner.md, session 54); ``per_token``, the
+linear term, is what such passes move now, as it is what prices a curve called flat."""
 EXTRA_RANGE = 16.0
 """``RealizedCost``'s extra stays within [1 / this, this]: the curve of session 30's slow minute
 priced a draft token at a fourteenth of what the next calibration measured (0.1 against 1.46 ms)."""
