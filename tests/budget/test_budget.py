@@ -405,3 +405,20 @@ def test_drafting_gate_stops_proposing_when_drafts_save_less_than_drafting_takes
     ]:
         with pytest.raises(ValueError):
             DraftingGate(decay, every, most, trials)
+
+
+def test_a_closed_gate_weighs_an_exploring_step_against_recent_steps_not_old_trials():
+    gate = DraftingGate()
+    proposing = 0
+    for _ in range(3000):  # drafts that save half what drafting takes: closed, exploring now and then
+        if gate.propose(8):
+            proposing += 1
+            gate.record(8, saved=0.0002, spent=0.0004)
+    assert not gate.open(8)
+    assert proposing <= gate.min_trials + 3000 // gate.max_explore_every + 4
+    steps = 0
+    while not gate.open(8):  # then drafts worth five times their cost: the next exploring step opens it
+        steps += 1
+        if gate.propose(8):
+            gate.record(8, saved=0.002, spent=0.0004)
+    assert steps <= gate.max_explore_every

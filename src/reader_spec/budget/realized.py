@@ -153,7 +153,7 @@ def _solve_positive_definite(lhs: list[list[float]], rhs: list[float]) -> list[f
 
 @dataclass
 class _GateState:
-    """One batch-size bucket's record of drafting: decayed means and the exploring schedule."""
+    """One batch-size bucket's record of drafting: decayed sums and the exploring schedule."""
 
     interval: int
     saved: float = 0.0
@@ -168,14 +168,19 @@ class DraftingGate:
     Proposing costs time before any pass runs (about a millisecond for 32 sequences with the reader
     drafter on the development machine), and at a large batch on a CPU the drafts the allocation
     keeps may save less than that: a pass has little compute to spare. Per batch-size bucket (powers
-    of two: what a pass has to spare depends on the batch), the gate keeps decayed means of what the
+    of two: what a pass has to spare depends on the batch), the gate keeps sums of what the
     allocation expected drafting to save per step
     (:func:`~reader_spec.budget.allocation.seconds_saved`) and of the seconds drafting took, over
-    the steps that proposed. A bucket stays open for its first ``min_trials`` such steps (a
-    request's first steps often find nothing to draft from); after that, while the first mean is the
-    smaller, its steps run plain and one proposes after ``explore_every`` skipped steps, an interval
-    that doubles up to ``max_explore_every`` while drafting keeps not paying, so that the means
-    follow the text at little cost.
+    the steps that proposed, each faded by ``decay`` at every step of the bucket, proposing or not.
+    A bucket stays open for its first ``min_trials`` such steps (a request's first steps often find
+    nothing to draft from); after that, while the first sum is the smaller, its steps run plain and
+    one proposes after ``explore_every`` skipped steps, an interval that doubles up to
+    ``max_explore_every`` while drafting keeps not paying. Fading by steps, not by trials, is what
+    lets a closed gate follow the text: an exploring step weighs against the trials of the last
+    hundred or so steps, not against the last hundred trials, which a closed gate made over
+    thousands of steps (a batch-8 gate that closed in a run's first steps stayed closed for the run
+    and the repeats after it, where runs whose gate stayed open gained 3-10%; docs/runner.md,
+    session 55).
     """
 
     def __init__(
@@ -200,6 +205,8 @@ class DraftingGate:
     def propose(self, batch: int) -> bool:
         """Whether this step, over ``batch`` sequences, proposes; call once per step."""
         state = self._state(batch)
+        state.saved *= self.decay
+        state.spent *= self.decay
         if self.open(batch):
             state.skipped, state.interval = 0, self.explore_every
             return True
@@ -213,6 +220,5 @@ class DraftingGate:
         """A step that proposed: the seconds its drafts were expected to save, and drafting took."""
         state = self._state(batch)
         state.trials += 1
-        weight = max(1.0 - self.decay, 1.0 / state.trials)  # a plain mean until the decay takes over
-        state.saved += weight * (saved - state.saved)
-        state.spent += weight * (spent - state.spent)
+        state.saved += saved
+        state.spent += spent
