@@ -422,3 +422,8 @@ def test_a_closed_gate_weighs_an_exploring_step_against_recent_steps_not_old_tri
         if gate.propose(8):
             gate.record(8, saved=0.002, spent=0.0004)
     assert steps <= gate.max_explore_every
+    # It stood for the steps skipped before it: steps that save a little less than drafting takes do
+    # not close the gate again for about as many steps.
+    for _ in range(gate.max_explore_every):
+        assert gate.propose(8)
+        gate.record(8, saved=0.0003, spent=0.0004)

@@ -160,6 +160,8 @@ class _GateState:
     spent: float = 0.0
     trials: int = 0
     skipped: int = 0
+    weight: float = 1.0
+    """The steps the next recorded trial stands for: itself and those skipped before it, faded."""
 
 
 class DraftingGate:
@@ -171,16 +173,16 @@ class DraftingGate:
     of two: what a pass has to spare depends on the batch), the gate keeps sums of what the
     allocation expected drafting to save per step
     (:func:`~reader_spec.budget.allocation.seconds_saved`) and of the seconds drafting took, over
-    the steps that proposed, each faded by ``decay`` at every step of the bucket, proposing or not.
-    A bucket stays open for its first ``min_trials`` such steps (a request's first steps often find
-    nothing to draft from); after that, while the first sum is the smaller, its steps run plain and
-    one proposes after ``explore_every`` skipped steps, an interval that doubles up to
-    ``max_explore_every`` while drafting keeps not paying. Fading by steps, not by trials, is what
-    lets a closed gate follow the text: an exploring step weighs against the trials of the last
-    hundred or so steps, not against the last hundred trials, which a closed gate made over
-    thousands of steps (a batch-8 gate that closed in a run's first steps stayed closed for the run
-    and the repeats after it, where runs whose gate stayed open gained 3-10%; docs/runner.md,
-    session 55).
+    the bucket's steps, faded by ``decay`` at each. A bucket stays open for its first
+    ``min_trials`` proposing steps (a request's first steps often find nothing to draft from); after
+    that, while the first sum is the smaller, its steps run plain and one proposes after
+    ``explore_every`` skipped steps, an interval that doubles up to ``max_explore_every`` while
+    drafting keeps not paying. An exploring step stands for the steps skipped before it (it is
+    their sample of the text), so the sums stay estimates over recent steps while the gate is
+    closed: one exploring step that finds drafts worth their time outweighs what older trials said
+    and opens the gate for about as long as it stands for. Weighed as one step among the last
+    hundred trials instead, as before session 55, it could not: a batch-8 gate closed by a run's
+    first steps stayed closed for most of the run (docs/runner.md, session 55).
     """
 
     def __init__(
@@ -208,11 +210,12 @@ class DraftingGate:
         state.saved *= self.decay
         state.spent *= self.decay
         if self.open(batch):
-            state.skipped, state.interval = 0, self.explore_every
+            state.skipped, state.interval, state.weight = 0, self.explore_every, 1.0
             return True
         state.skipped += 1
         if state.skipped < state.interval:
             return False
+        state.weight = sum(self.decay**age for age in range(state.skipped))  # itself and those skipped
         state.skipped, state.interval = 0, min(2 * state.interval, self.max_explore_every)
         return True
 
@@ -220,5 +223,5 @@ class DraftingGate:
         """A step that proposed: the seconds its drafts were expected to save, and drafting took."""
         state = self._state(batch)
         state.trials += 1
-        state.saved += saved
-        state.spent += spent
+        state.saved += state.weight * saved
+        state.spent += state.weight * spent
