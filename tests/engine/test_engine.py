@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import random
 from collections import Counter
@@ -13,7 +14,7 @@ import torch
 from reader_spec.budget.costs import CostModel
 from reader_spec.budget.realized import RealizedAcceptance
 from reader_spec.config import GenerationConfig
-from reader_spec.drafters import ReaderDrafter
+from reader_spec.drafters import FusedDrafter, ModelDrafter, ReaderDrafter
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.engine.loop import Engine
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal, chain_proposal
@@ -556,6 +557,32 @@ def test_generate_needs_an_idle_engine(tiny, prompts):
     engine.add_request(prompts[0], NO_EOS)
     with pytest.raises(RuntimeError, match="idle engine"):
         engine.generate(prompts[:1], NO_EOS)
+
+
+@pytest.mark.parametrize("runner", ["fast", "transformers"])
+def test_host_work_stays_on_the_cpu_whatever_torch_default_device_is(tiny, prompts, runner):
+    """A user's ``torch.set_default_device("cuda")`` must not move the engine's bookkeeping (cache
+    lengths, masks, positions) off the host. Under ``meta`` every tensor made without naming its
+    device lands where it can neither compute nor reach numpy, as it lands on a GPU; plain decoding,
+    retrieval drafts and a draft model's tree, greedy and seeded sampling, make the same output."""
+    draft = replace(tiny, model=copy.deepcopy(tiny.model))
+    sampled = GenerationConfig(max_new_tokens=24, eos_token_ids=(), temperature=1.0, seed=3)
+
+    def outputs() -> list[list[int]]:
+        runs = []
+        for drafter in (
+            None,
+            ReaderDrafter(),
+            FusedDrafter(ReaderDrafter(), ModelDrafter(draft, max_depth=3), "rasd"),
+        ):
+            engine = Engine(tiny, drafter, costs=FLAT_COSTS, max_batch_size=4, runner=runner)
+            for config in (NO_EOS, sampled):
+                runs += [out.tokens for out in engine.generate(prompts[:4], config, batch_size=4)]
+        return runs
+
+    expected = outputs()
+    with torch.device("meta"):
+        assert outputs() == expected
 
 
 def test_int8_weights_serve_both_runners_and_speculation_stays_exact(tiny, prompts):

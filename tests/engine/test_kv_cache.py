@@ -62,7 +62,7 @@ def test_commit_of_one_row_leaves_the_others_alone(moves):
         assert torch.equal(layer.keys[1, :, 5], keys[1, :, 7])
 
 
-def test_compiled_moves_read_every_entry_before_writing_like_an_indexed_copy():
+def test_compiled_moves_read_every_entry_before_writing_like_an_indexed_copy(on_cpu):
     """Entries that trade places (never in a commit, whose entries only move down) end up swapped, as
     an indexed copy leaves them; entries outside a buffer are refused before anything moves."""
     if not kernels.available():

@@ -23,7 +23,7 @@ def test_depths_children_and_paths():
 
 def test_ancestor_mask_is_reflexive_and_follows_ancestry():
     mask = sample_tree().ancestor_mask()
-    expected = torch.zeros(6, 6, dtype=torch.bool)
+    expected = torch.zeros(6, 6, dtype=torch.bool, device=mask.device)
     for node, ancestors in {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3], 4: [0, 1, 4], 5: [0, 2, 5]}.items():
         expected[node, ancestors] = True
     assert torch.equal(mask, expected)

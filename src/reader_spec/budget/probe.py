@@ -205,13 +205,13 @@ class FloorProbe:
             # The buffer read as a one-row pass reads a matrix, either way (the product streams in
             # order and prefetches, a sum does not).
             blocks = buffer[: buffer.numel() // (size * BLOCK) * size * BLOCK].view(-1, size, BLOCK)
-            row = torch.ones(1, size)
+            row = torch.ones(1, size, device="cpu")
             for key, ahead in ((2, False), (-2, True)):
                 self.reads[key] = (
                     functools.partial(compiled, row, blocks, None, blocks.shape[0] * BLOCK, ahead),
                     blocks.numel() * 4,
                 )
-            blocked, x = to_blocks(a, size), torch.ones(rows, size)
+            blocked, x = to_blocks(a, size), torch.ones(rows, size, device="cpu")
             products[3] = (lambda: compiled(x, blocked, None, size), 2 * rows * size**2)
         # Weights in integers: the rate of the model's own products, each kind of matrix alone (what a
         # pass runs, without the calls between them), not float32's.

@@ -230,7 +230,7 @@ def visibility(
     if sliding_window is not None:
         if positions is None:
             raise ValueError("a sliding window needs the new tokens' positions")
-        keys = torch.arange(kv_length)
+        keys = torch.arange(kv_length, device="cpu")
         new = keys[None] - lengths[:, None]  # key index relative to the new tokens
         is_new = (new >= 0) & (new < width)
         key_positions = torch.where(is_new, positions.gather(1, new.clamp(0, width - 1)), keys[None])

@@ -62,9 +62,9 @@ class GreedyHead:
             (blocks, groups, BLOCK * INT8_GROUP), torch.uint8
         )
         """The int8 copy as the integer product reads it (:func:`~reader_spec.engine.layouts.to_groups`)."""
-        self.scales = torch.empty(blocks * BLOCK)
-        self.slack = torch.empty(blocks * BLOCK)
-        self.norms = torch.empty(blocks * BLOCK)
+        self.scales = torch.empty(blocks * BLOCK, device="cpu")
+        self.slack = torch.empty(blocks * BLOCK, device="cpu")
+        self.norms = torch.empty(blocks * BLOCK, device="cpu")
         for first in range(0, blocks, CHUNK_BLOCKS):
             chunk = head.weight[first : first + CHUNK_BLOCKS]  # padding columns are zero: q 0, slack 0
             plain = chunk.transpose(1, 2).reshape(-1, features)
@@ -115,7 +115,7 @@ class GreedyHead:
         wins = self._wins_by_bucket.get(bucket)
         if wins is None:
             generator = torch.Generator().manual_seed(0)  # not the caller's random state
-            hidden = torch.randn(bucket, self.head.in_features, generator=generator)
+            hidden = torch.randn(bucket, self.head.in_features, generator=generator, device="cpu")
             with torch.inference_mode():
                 wins = fastest([lambda: self._bounded(hidden), lambda: self.head(hidden).argmax(-1)]) == 0
             self._wins_by_bucket[bucket] = wins
@@ -138,7 +138,11 @@ def _slack(
 
 def _rounded_up(values: torch.Tensor) -> torch.Tensor:
     rounded = values.float()
-    return torch.where(rounded.double() < values, torch.nextafter(rounded, torch.tensor(torch.inf)), rounded)
+    return torch.where(
+        rounded.double() < values,
+        torch.nextafter(rounded, torch.tensor(torch.inf, device=rounded.device)),
+        rounded,
+    )
 
 
 def tree_rows(trees: Sequence[DraftTree]) -> Trees:

@@ -106,7 +106,7 @@ class RaggedKVCache(Cache):
         self.num_rows = num_rows
         self.capacity = capacity
         self.device = torch.device(device)
-        self.lengths = torch.zeros(num_rows, dtype=torch.long)
+        self.lengths = torch.zeros(num_rows, dtype=torch.long, device="cpu")
         self._span = slice(0, 0)
         self._rows: torch.Tensor | None = None
         self._positions: torch.Tensor | None = None

@@ -70,7 +70,7 @@ class PageArena:
         """An uninitialised tensor in the arena (in ordinary memory once the arena is full)."""
         size = math.prod(shape) * dtype.itemsize
         if self._offset + size > self._end:
-            return torch.empty(shape, dtype=dtype)
+            return torch.empty(shape, dtype=dtype, device="cpu")
         tensor = self._buffer[self._offset : self._offset + size].view(dtype).view(shape)
         self._offset += -(-size // ALIGNMENT) * ALIGNMENT
         return tensor

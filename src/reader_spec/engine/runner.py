@@ -40,7 +40,7 @@ from reader_spec.engine.weights import WEIGHT_FORMATS
 PREFILL_CHUNK = 512
 """Prompt tokens per prefill forward: bounds the mask and activation memory of long prompts."""
 
-NO_LOGITS = torch.empty(0, dtype=torch.long)
+NO_LOGITS = torch.empty(0, dtype=torch.long, device="cpu")
 """Token index that skips the output layer (prefill needs only the cache)."""
 
 RUNNERS = ("auto", "fast", "transformers")
@@ -205,7 +205,7 @@ class ModelRunner:
         """
         widths = [len(t) for t in tokens]
         input_ids = longs([token for row_tokens in tokens for token in row_tokens])
-        keep = torch.tensor(list(itertools.accumulate(widths))) - 1 if last_only else None
+        keep = torch.tensor(list(itertools.accumulate(widths)), device="cpu") - 1 if last_only else None
         flat_positions = positions if isinstance(positions, torch.Tensor) else torch.cat(list(positions))
         states = self._forward(rows, input_ids, flat_positions, local_masks, keep)
         kept = [1] * len(rows) if last_only else widths
@@ -259,10 +259,10 @@ class ModelRunner:
             raise ValueError(f"cannot reuse {reused} tokens of a {len(tokens)}-token prefill")
         self.cache.lengths[row] = reused
         for start in range(reused, len(tokens), PREFILL_CHUNK):
-            chunk = torch.tensor(tokens[start : start + PREFILL_CHUNK])
+            chunk = torch.tensor(tokens[start : start + PREFILL_CHUNK], device="cpu")
             n = chunk.shape[0]
-            causal = torch.ones(n, n, dtype=torch.bool).tril_()
-            self._forward([row], chunk, start + torch.arange(n), [causal], keep=NO_LOGITS)
+            causal = torch.ones(n, n, dtype=torch.bool, device="cpu").tril_()
+            self._forward([row], chunk, start + torch.arange(n, device="cpu"), [causal], keep=NO_LOGITS)
             self.cache.lengths[row] = start + n
 
     def _forward(
@@ -276,8 +276,9 @@ class ModelRunner:
         kv_length = self.cache.set_window(rows, widths)
         padded_positions = None
         if self.sliding_window is not None:  # only a window needs the tokens' positions
-            padded_positions = lengths[:, None] + torch.arange(max(widths))
-            padded_positions[torch.arange(max(widths))[None] < torch.tensor(widths)[:, None]] = positions
+            columns = torch.arange(max(widths), device="cpu")
+            padded_positions = lengths[:, None] + columns
+            padded_positions[columns[None] < torch.tensor(widths, device="cpu")[:, None]] = positions
         masks = visibility(lengths, local_masks, kv_length, self.sliding_window, padded_positions)
         layout = None
         if len(widths) > 1 and (self.decoder is None or not self.decoder.attends_compiled(len(input_ids))):

@@ -528,7 +528,8 @@ def _time_reading_ahead(same_pass: Sequence[torch.Tensor], rows: int) -> bool:
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         inputs = {
-            k: torch.randn(rows, k, generator=generator) for k in sorted({w.shape[1] for w in same_pass})
+            k: torch.randn(rows, k, generator=generator, device="cpu")
+            for k in sorted({w.shape[1] for w in same_pass})
         }
 
         def stream(ahead: bool) -> Callable[[], None]:
@@ -558,7 +559,7 @@ def _time_kernels(weights: Sequence[torch.Tensor], rows: int) -> Kernel:
     plain_only = compute_bound or rows <= AHEAD_TIMED_ROWS
     candidates = [Kernel.COMPILED] if plain_only else [Kernel.COMPILED, Kernel.READING_AHEAD]
     with torch.inference_mode():
-        x = torch.randn(rows, weights[0].shape[1], generator=generator)
+        x = torch.randn(rows, weights[0].shape[1], generator=generator, device="cpu")
         compiled = [
             each(functools.partial(blocked_linear, x, bias=None, out_features=out_features, ahead=ahead))
             for ahead in (kernel == Kernel.READING_AHEAD for kernel in candidates)

@@ -457,8 +457,10 @@ class ModelDrafter:
         tokens = [state.text[state.cached :] for state in states]
         # Positions count from the start of the draft model's view: rotary attention depends only
         # on distances, so a prompt cut by the window reads as if it began there.
-        positions = [torch.arange(state.cached, len(state.text)) - state.start for state in states]
-        masks = [torch.ones(len(t), len(t), dtype=torch.bool).tril_() for t in tokens]
+        positions = [
+            torch.arange(state.cached, len(state.text), device="cpu") - state.start for state in states
+        ]
+        masks = [torch.ones(len(t), len(t), dtype=torch.bool, device="cpu").tril_() for t in tokens]
         logits = runner.extend([s.row for s in states], tokens, positions, masks, last_only=True)
         trees = []
         for state, request, row_logits in zip(states, requests, logits, strict=True):
@@ -489,14 +491,16 @@ class ModelDrafter:
             tree, nodes, state = trees[b], chosen[b], states[b]
             written = tree.cached + nodes
             column = {node: i for i, node in enumerate(written)}
-            mask = torch.zeros(len(nodes), len(written), dtype=torch.bool)
+            mask = torch.zeros(len(nodes), len(written), dtype=torch.bool, device="cpu")
             for i, node in enumerate(nodes):
                 ancestor = node
                 while ancestor > 0:
                     mask[i, column[ancestor]] = True
                     ancestor = tree.parents[ancestor]
             tokens.append([tree.tokens[n] for n in nodes])
-            positions.append(torch.tensor([state.cached - 1 - state.start + tree.depths[n] for n in nodes]))
+            positions.append(
+                torch.tensor([state.cached - 1 - state.start + tree.depths[n] for n in nodes], device="cpu")
+            )
             masks.append(mask)
         rows = [states[b].row for b in live]
         logits = runner.extend(rows, tokens, positions, masks)
