@@ -286,6 +286,19 @@ def test_second_turn_carries_ar_first_answer(tiny, monkeypatch, batch_sizes):
     assert any(second[i : i + len(answer_ids)] == answer_ids for i in range(len(second)))
 
 
+def test_an_untimed_engine_answers_the_first_turns_batches_carry(tiny, monkeypatch):
+    """Without batch 1, earlier turns' answers come from an ``ar`` of their own: the timed ``ar``
+    that made them ran its batches slower than its twin, which favoured the other methods."""
+    built: list[Recorder] = []
+    monkeypatch.setitem(METHODS, "ar", MethodSpec(lambda setup: built.append(Recorder()) or built[-1]))
+    question = QUESTIONS[0]
+    run_bench(tiny, [question], ["ar"], max_new_tokens=MAX_NEW, batch_sizes=[2])
+    first = encode_prompt(tiny.tokenizer, turn_messages(question, 0, []))
+    timed, filler = built
+    assert filler.prompts == [first]
+    assert timed.prompts[0] == first and len(timed.prompts) == len(question.turns)
+
+
 def test_repeats_and_batch_sizes_never_see_their_own_earlier_runs(tiny, monkeypatch):
     remembering = Remembering()
     monkeypatch.setitem(METHODS, "mem", MethodSpec(lambda setup: remembering))

@@ -157,7 +157,10 @@ def run_bench(
                 built, loaded.tokenizer, questions, max_new_tokens, repeats, bar, answers
             )
         if larger:
-            _fill_answers(built[REFERENCE], loaded.tokenizer, questions, max_new_tokens, answers)
+            # By an engine of its own: the timed engine that filled them ran its batches about 0.6%
+            # slower than its twin (docs/runner.md, "Session 56"), which favoured every other method.
+            filler = METHODS[REFERENCE].build(setup)
+            _fill_answers(filler, loaded.tokenizer, questions, max_new_tokens, answers)
             order = interleave_categories(list(questions))
             prompts = [
                 encode_prompt(loaded.tokenizer, turn_messages(q, t, answers.get(q, [])))
