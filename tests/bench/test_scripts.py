@@ -131,3 +131,17 @@ def test_draft_variants_integer_inputs_round_each_linear_layers_input():
     one_off = (one_level - weights_only).abs().max()
     two_off = (two_levels - weights_only).abs().max()
     assert one_off > 0 and two_off < one_off / 50  # each level quantizes what the ones before left
+
+
+def test_noise_script_runs_plain_decoding_against_itself_in_the_bench_turns(
+    monkeypatch, capsys, tiny_llama_dir
+):
+    argv = ["bench_noise.py", "--model", str(tiny_llama_dir), "--batch-sizes", "2", "3", "--repeats", "2",
+            "--limit", "1", "--max-new-tokens", "4"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(str(SCRIPTS / "bench_noise.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    for size in (2, 3):
+        summary = out.split(f"batch {size}: ratios ")[1].split(";")[0].split()
+        assert len(summary) == 2 and all(float(ratio) > 0 for ratio in summary)
+    assert out.count(", repeat ") == 4

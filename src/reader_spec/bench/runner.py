@@ -55,7 +55,7 @@ from reader_spec.prompts import encode_prompt
 Answers = dict[Question, list[str]]
 
 TURN_SECONDS = 0.1
-"""How long each method runs before the next takes its turn, in a batched run (see ``_in_turns``).
+"""How long each method runs before the next takes its turn, in a batched run (see ``in_turns``).
 Measured as two ``ar`` engines against each other on the bench's 42 prompts (docs/runner.md,
 session 54): turns of a second left their ratio 0.986-1.013 over 11 runs at batch 8 and 32, turns of
 a tenth 0.997-1.002 over 7; a tenth is still several passes at batch 8 and two at batch 32."""
@@ -160,13 +160,7 @@ def run_bench(
             # By an engine of its own: the timed engine that filled them ran its batches about 0.6%
             # slower than its twin (docs/runner.md, "Session 56"), which favoured every other method.
             filler = METHODS[REFERENCE].build(setup)
-            _fill_answers(filler, loaded.tokenizer, questions, max_new_tokens, answers)
-            order = interleave_categories(list(questions))
-            prompts = [
-                encode_prompt(loaded.tokenizer, turn_messages(q, t, answers.get(q, [])))
-                for q in order
-                for t in range(len(q.turns))
-            ]
+            prompts = batched_prompts(filler, loaded.tokenizer, questions, max_new_tokens, answers)
             for size in larger:
                 report.batches += _batched(built, batchable, prompts, size, max_new_tokens, repeats, bar)
     return report
@@ -228,6 +222,24 @@ def _batch_one(
     return results
 
 
+def batched_prompts(
+    ar: Method,
+    tokenizer: PreTrainedTokenizerBase,
+    questions: Sequence[Question],
+    max_new_tokens: int,
+    answers: Answers | None = None,
+) -> list[list[int]]:
+    """Every turn of ``questions`` as the batched runs take them: categories interleaved, later turns
+    carrying earlier answers (``answers`` from batch 1, else ``ar``'s, made here outside any timing)."""
+    answers = {} if answers is None else answers
+    _fill_answers(ar, tokenizer, questions, max_new_tokens, answers)
+    return [
+        encode_prompt(tokenizer, turn_messages(q, t, answers.get(q, [])))
+        for q in interleave_categories(list(questions))
+        for t in range(len(q.turns))
+    ]
+
+
 def _fill_answers(
     ar: Method,
     tokenizer: PreTrainedTokenizerBase,
@@ -264,7 +276,7 @@ def _batched(
         for name in order:
             built[name].reset()
             built[name].reserve(prompts, max_new_tokens, size)
-        turns = _in_turns({name: built[name] for name in order}, prompts, max_new_tokens, size, bar)
+        turns = in_turns({name: built[name] for name in order}, prompts, max_new_tokens, size, bar)
         for name, run in turns.items():
             runs[name].append(run)
     results = []
@@ -307,7 +319,7 @@ def _run(method: Method, prompts: list[list[int]], max_new_tokens: int, batch_si
     return Run(outputs, seconds, _peak_rss_mib())
 
 
-def _in_turns(
+def in_turns(
     methods: dict[str, Method], prompts: list[list[int]], max_new_tokens: int, batch_size: int, bar: tqdm
 ) -> dict[str, Run]:
     """Each method's run over the same prompts, the methods taking turns of ``TURN_SECONDS``: each
