@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
 """Settings a request may override one by one (the names transformers and the OpenAI API use)."""
 
 
@@ -16,7 +25,9 @@ class GenerationConfig:
     on a token. Output never goes past ``max_new_tokens``, an end-of-sequence token (kept as the last
     token) or the end of a stop string (the text is cut before it), even when a draft tree accepted more.
 
-    Token choice follows transformers' order: repetition penalty, temperature, top-k, top-p, min-p.
+    Token choice follows transformers' order: repetition penalty, temperature, top-k, top-p, min-p;
+    OpenAI's presence and frequency penalties come right after the repetition penalty, and count the
+    output's tokens only (as vLLM applies them), where the repetition penalty sees the prompt too.
     ``temperature=0`` is greedy decoding. With a ``seed`` the output depends only on the request and
     the seed, never on the drafter or the batch (an engine that reuses prefixes may differ from a
     fresh one at a near-tie: ``Engine``); without one every run draws fresh randomness.
@@ -31,6 +42,10 @@ class GenerationConfig:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output holds so far."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once for each time the output holds it so far."""
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -52,6 +67,9 @@ class GenerationConfig:
             "repetition_penalty must be > 0",
             self,
         )
+        for field in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, field)
+            _check(_is_number(value) and -2 <= value <= 2, f"{field} must lie in [-2, 2]", self)
         _check(
             self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**64),
             "seed must be an integer in [0, 2**64)",
@@ -63,9 +81,14 @@ class GenerationConfig:
         return self.temperature == 0
 
     @property
+    def penalized(self) -> bool:
+        """Whether a token's logit depends on the tokens before it."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
     def plain_greedy(self) -> bool:
         """Greedy with untouched logits: the argmax of every node can be taken in one batched call."""
-        return self.greedy and self.repetition_penalty == 1
+        return self.greedy and not self.penalized
 
 
 def _is_number(value: object) -> bool:

@@ -84,6 +84,7 @@ SETTINGS = [
     GenerationConfig(temperature=0.7, top_p=0.9),
     GenerationConfig(temperature=1.0, top_p=0.9),
     GenerationConfig(temperature=1.2, top_k=4, min_p=0.05, repetition_penalty=1.5),
+    GenerationConfig(temperature=1.0, presence_penalty=0.8, frequency_penalty=0.5),
 ]
 
 
@@ -147,9 +148,30 @@ def test_repetition_penalty_sees_ancestors_not_siblings():
     assert SamplingRule(config, 0).select(TREE, logits, HISTORY) == ([0, 2], 3)
 
 
+@pytest.mark.parametrize(
+    ("preferred", "bonus"),
+    [
+        (8, 8),  # in the prompt only: not penalized
+        (7, 6),  # in the output (the history's last token)
+        (1, 6),  # the node's own drafted token, an ancestor of what it picks
+        (0, 0),  # a sibling's token: not in this node's context
+    ],
+)
+def test_presence_and_frequency_penalties_count_the_output_and_ancestors_only(preferred, bonus):
+    """At node 2 (token 1) the preferred token leads token 6 by 0.5; a frequency penalty of 1 on
+    a token the node's output holds once turns the choice to token 6."""
+    logits = torch.full((len(TREE), VOCAB), -5.0)
+    logits[0, 1] = 3.0
+    logits[2, preferred], logits[2, 6] = 2.0, 1.5
+    rule = SamplingRule(GenerationConfig(frequency_penalty=1.0), 0, prompt_length=2)  # prompt [7, 8]
+    assert rule.select(TREE, logits, HISTORY) == ([0, 2], bonus)
+
+
 def test_rule_for_picks_the_batched_argmax_only_for_plain_greedy():
     assert isinstance(rule_for(GenerationConfig()), GreedyRule)
     assert isinstance(rule_for(GenerationConfig(repetition_penalty=1.1)), SamplingRule)
+    assert isinstance(rule_for(GenerationConfig(presence_penalty=0.1)), SamplingRule)
+    assert isinstance(rule_for(GenerationConfig(frequency_penalty=-0.1)), SamplingRule)
     seeded = rule_for(GenerationConfig(temperature=0.5, seed=9))
     assert isinstance(seeded, SamplingRule) and seeded.seed == 9
     unseeded = [rule_for(GenerationConfig(temperature=0.5)).seed for _ in range(3)]

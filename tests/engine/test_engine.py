@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from transformers import RepetitionPenaltyLogitsProcessor
 
 from reader_spec.budget.costs import CostModel
 from reader_spec.budget.realized import RealizedAcceptance
@@ -284,9 +285,20 @@ SAMPLED = [
     GenerationConfig(
         max_new_tokens=40, eos_token_ids=(), temperature=0.8, top_k=12, repetition_penalty=1.2, seed=3
     ),
+    GenerationConfig(
+        max_new_tokens=40,
+        eos_token_ids=(),
+        temperature=0.9,
+        presence_penalty=0.8,
+        frequency_penalty=0.4,
+        seed=4,
+    ),
 ]
-MIXED = [NO_EOS, *SAMPLED]
-"""Per-request settings for a mixed batch: one greedy request and three sampled ones."""
+PENALIZED_GREEDY = GenerationConfig(
+    max_new_tokens=40, eos_token_ids=(), presence_penalty=0.5, frequency_penalty=0.7
+)
+MIXED = [NO_EOS, *SAMPLED, PENALIZED_GREEDY]
+"""Per-request settings for a mixed batch: plain greedy, four sampled requests, greedy with penalties."""
 
 
 def mixed_configs(count: int) -> list[GenerationConfig]:
@@ -348,6 +360,32 @@ def test_greedy_with_repetition_penalty_equals_transformers(tiny, prompts):
             pad_token_id=0,
         )[0, len(prompt) :].tolist()
         assert output.tokens == reference
+
+
+def test_greedy_with_every_penalty_equals_a_reference_over_the_whole_text(tiny, prompts):
+    """transformers' repetition penalty, then OpenAI's presence and frequency penalties written out
+    from their definition over the output, on the model's logits for the whole text at each step."""
+    config = GenerationConfig(
+        max_new_tokens=30,
+        eos_token_ids=(),
+        repetition_penalty=1.2,
+        presence_penalty=0.6,
+        frequency_penalty=0.9,
+    )
+    outputs = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS).generate(prompts[:4], config, batch_size=2)
+    repetition = RepetitionPenaltyLogitsProcessor(1.2)
+    for prompt, output in zip(prompts[:4], outputs, strict=True):
+        text = list(prompt)
+        for _ in range(30):
+            ids = torch.tensor([text])
+            scores = repetition(ids, tiny.model(ids).logits[:, -1].float())[0]
+            generated = text[len(prompt) :]
+            for token in set(generated):
+                scores[token] -= 0.9 * generated.count(token) + 0.6
+            text.append(int(scores.argmax()))
+        assert output.tokens == text[len(prompt) :]
+    unpenalized = Engine(tiny).generate(prompts[:4], replace(config, presence_penalty=0, frequency_penalty=0))
+    assert [o.tokens for o in outputs] != [o.tokens for o in unpenalized]
 
 
 def test_per_request_configs_must_match_the_prompts(tiny, prompts):

@@ -16,7 +16,7 @@ from transformers import (
 )
 
 from reader_spec.config import GenerationConfig
-from reader_spec.engine.sampling import gumbel_noise, pick, support
+from reader_spec.engine.sampling import Occurrences, gumbel_noise, pick, support
 
 SETTINGS = [
     GenerationConfig(temperature=1.0),
@@ -25,11 +25,21 @@ SETTINGS = [
     GenerationConfig(temperature=0.8, min_p=0.1),
     GenerationConfig(temperature=1.0, top_k=40, top_p=0.5, min_p=0.02, repetition_penalty=1.3),
     GenerationConfig(temperature=0.5, top_p=0.999),
+    GenerationConfig(
+        temperature=0.9, top_k=40, repetition_penalty=1.1, presence_penalty=1.0, frequency_penalty=0.6
+    ),
+    GenerationConfig(temperature=1.0, presence_penalty=-0.5, frequency_penalty=2.0),
 ]
+PROMPT_LENGTH = 4
+"""The prompt part of a test context: the presence and frequency penalties count the rest."""
 
 
-def reference_log_probs(logits: torch.Tensor, config: GenerationConfig, context: list[int]) -> torch.Tensor:
-    """transformers' own processors, in generate's order, as an independent reference."""
+def reference_log_probs(
+    logits: torch.Tensor, config: GenerationConfig, context: list[int], prompt_length: int = 0
+) -> torch.Tensor:
+    """transformers' own processors, in generate's order, as an independent reference; OpenAI's
+    presence and frequency penalties (which transformers lacks) right after the repetition penalty,
+    written out from their definition over the output, ``context[prompt_length:]``."""
     processors = []
     if config.repetition_penalty != 1:
         processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
@@ -42,15 +52,23 @@ def reference_log_probs(logits: torch.Tensor, config: GenerationConfig, context:
         processors.append(MinPLogitsWarper(config.min_p))
     ids = torch.tensor([context], device=logits.device)
     scores = logits[None].clone()
+    if config.repetition_penalty != 1:
+        scores = processors.pop(0)(ids, scores)
+    for token in set(context[prompt_length:]):
+        count = context[prompt_length:].count(token)
+        scores[0, token] -= config.frequency_penalty * count + config.presence_penalty
     for processor in processors:
         scores = processor(ids, scores)
     return torch.log_softmax(scores[0], dim=-1)
 
 
 def support_log_probs(logits, config, context, vocab) -> torch.Tensor:
-    seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)  # as the sampling rule builds it
-    seen[context] = True
-    tokens, scores = support(logits, config, seen)
+    in_text = torch.zeros(vocab, dtype=torch.bool, device=logits.device)  # as the sampling rule builds them
+    in_text[context] = True
+    in_output = torch.zeros(vocab, device=logits.device)
+    output = torch.tensor(context[PROMPT_LENGTH:], device=logits.device)
+    in_output.index_add_(0, output, torch.ones(len(output), device=logits.device))
+    tokens, scores = support(logits, config, Occurrences(in_text, in_output))
     out = torch.full((vocab,), -math.inf, device=logits.device)
     out[tokens] = torch.log_softmax(scores, dim=0)
     return out
@@ -64,7 +82,7 @@ def test_support_equals_transformers_processors(config, vocab):
         logits = torch.randn(vocab, generator=generator, device="cpu") * (1 + trial % 4)
         context = torch.randint(0, vocab, (12,), generator=generator, device="cpu").tolist()
         ours = support_log_probs(logits, config, context, vocab)
-        theirs = reference_log_probs(logits, config, context)
+        theirs = reference_log_probs(logits, config, context, PROMPT_LENGTH)
         assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs))
         finite = torch.isfinite(theirs)
         torch.testing.assert_close(ours[finite], theirs[finite], atol=1e-5, rtol=1e-5)
@@ -96,20 +114,25 @@ def test_noise_is_standard_gumbel():
     assert abs((samples < 0).mean() - math.exp(-1)) < 0.01
 
 
-def test_greedy_pick_is_the_argmax_after_the_penalty():
+def test_greedy_pick_is_the_argmax_after_the_penalties():
     logits = torch.tensor([0.0, 2.0, 1.9, -1.0])
     seen = torch.tensor([False, True, False, False])
     plain = GenerationConfig()
     penalized = GenerationConfig(repetition_penalty=1.2)
-    assert pick(logits, plain, seed=0, position=0, seen=seen) == 1
-    assert pick(logits, penalized, seed=0, position=0, seen=seen) == 2
+    assert pick(logits, plain, seed=0, position=0, occurrences=Occurrences(in_text=seen)) == 1
+    assert pick(logits, penalized, seed=0, position=0, occurrences=Occurrences(in_text=seen)) == 2
+    # Token 1 twice and token 2 once in the output: presence counts tokens, frequency each occurrence.
+    in_output = Occurrences(in_output=torch.tensor([0.0, 2.0, 1.0, 0.0]))
+    assert pick(logits, GenerationConfig(presence_penalty=0.2), 0, 0, in_output) == 1  # 1.8 against 1.7
+    assert pick(logits, GenerationConfig(frequency_penalty=0.2), 0, 0, in_output) == 2  # 1.6 against 1.7
+    assert pick(logits, GenerationConfig(frequency_penalty=-0.2), 0, 0, in_output) == 1  # 2.4 against 2.1
 
 
 def test_pick_is_reproducible_and_varies_with_position():
     logits = torch.zeros(500)
     config = GenerationConfig(temperature=1.0)
-    draws = [pick(logits, config, seed=11, position=p, seen=None) for p in range(20)]
-    assert draws == [pick(logits, config, seed=11, position=p, seen=None) for p in range(20)]
+    draws = [pick(logits, config, seed=11, position=p) for p in range(20)]
+    assert draws == [pick(logits, config, seed=11, position=p) for p in range(20)]
     assert len(set(draws)) > 10
 
 
@@ -123,6 +146,9 @@ def test_pick_is_reproducible_and_varies_with_position():
         ("top_k", -1),
         ("min_p", 1.5),
         ("repetition_penalty", 0.0),
+        ("presence_penalty", 2.5),
+        ("presence_penalty", float("nan")),
+        ("frequency_penalty", -2.1),
         ("seed", -1),
         ("seed", 1.5),
     ],

@@ -8,6 +8,7 @@ import random
 import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 
@@ -134,6 +135,18 @@ def test_seeded_sample_repeats_and_equals_engine_output(client, reference, kind)
     assert first.usage.completion_tokens == second.usage.completion_tokens == len(expected.tokens)
     other_seed = create(client, kind, prompt, **{**params, "seed": 8})
     assert text_of(other_seed, kind) != expected.text  # the seed is what makes the sample repeat
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_presence_and_frequency_penalties_reach_the_engine(client, reference, kind):
+    prompt = PROMPTS[kind]
+    penalties = {"presence_penalty": 1.5, "frequency_penalty": 2.0}
+    penalized = create(client, kind, prompt, max_tokens=24, temperature=0, **penalties)
+    expected = reference.generate([prompt], replace(generation_config(24), **penalties))[0]
+    plain = reference.generate([prompt], generation_config(24))[0]
+
+    assert text_of(penalized, kind) == expected.text
+    assert expected.tokens != plain.tokens
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])

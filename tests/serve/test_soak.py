@@ -148,6 +148,14 @@ def bad_requests() -> list[Bad]:
         Bad("five stop strings", CHAT_PATH, {**chat, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         Bad("negative seed", COMPLETION_PATH, {**text, "seed": -1}, 400, "seed"),
         Bad("top_p zero", CHAT_PATH, {**chat, "top_p": 0}, 400, "top_p"),
+        Bad("presence_penalty 2.5", CHAT_PATH, {**chat, "presence_penalty": 2.5}, 400, "presence_penalty"),
+        Bad(
+            "frequency_penalty a string",
+            COMPLETION_PATH,
+            {**text, "frequency_penalty": "x"},
+            400,
+            "frequency_penalty",
+        ),
         Bad("no API key", CHAT_PATH, chat, 401, None, "authentication_error", {}),
         Bad(
             "wrong API key",

@@ -275,7 +275,7 @@ def hf_method(*, assisted: bool = False, **options) -> MethodSpec:
         if assisted and setup.draft is None:
             raise ValueError("hf-assisted needs a draft model (--draft-model)")
         if not setup.sampling.plain_greedy:
-            raise ValueError("transformers methods are measured with greedy decoding only")
+            raise ValueError("transformers methods are measured with greedy decoding only, without penalties")
         return HFMethod(setup.loaded, setup.draft if assisted else None, **options)
 
     return MethodSpec(build, needs_draft=assisted)

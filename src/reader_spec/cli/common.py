@@ -97,7 +97,18 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
     group.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top one")
-    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument(
+        "--repetition-penalty", type=float, default=1.0, help="transformers' (prompt included)"
+    )
+    group.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]: on tokens the output holds"
+    )
+    group.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="OpenAI's, in [-2, 2]: once for each time the output holds a token",
+    )
     group.add_argument("--seed", type=int, help="makes sampled output reproducible, whatever the drafter")
 
 

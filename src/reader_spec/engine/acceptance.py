@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from reader_spec.config import GenerationConfig
-from reader_spec.engine.sampling import pick
+from reader_spec.engine.sampling import Occurrences, pick
 from reader_spec.engine.tree import DraftTree
 
 
@@ -46,46 +46,71 @@ class GreedyRule:
 
 
 class SamplingRule:
-    """One request's token choice with its settings: seeded draws, repetition penalty, greedy or not.
+    """One request's token choice with its settings: seeded draws, penalties, greedy or not.
 
-    The token at absolute position t is ``pick(logits, config, seed, t, seen)``, where ``seen`` holds
-    the node's own context (the request's text and the node's ancestors, never its siblings).
+    The token at absolute position t is ``pick(logits, config, seed, t, occurrences)``, where the
+    occurrences count the node's own context (the request's text and the node's ancestors, never its
+    siblings); the output is what follows the first ``prompt_length`` tokens.
     """
 
     greedy = False
 
-    def __init__(self, config: GenerationConfig, seed: int):
+    def __init__(self, config: GenerationConfig, seed: int, prompt_length: int = 0):
         self.config = config
         self.seed = seed
-        self._seen: torch.Tensor | None = None
-        self._seen_upto = 0
+        self.prompt_length = prompt_length
+        self._in_text: torch.Tensor | None = None
+        self._in_output: torch.Tensor | None = None
+        self._counted_upto = 0
 
     def select(self, tree: DraftTree, logits: torch.Tensor, history: Sequence[int]) -> tuple[list[int], int]:
-        seen = self._context_mask(history, logits) if self.config.repetition_penalty != 1 else None
+        if self.config.penalized:
+            self._count(history, logits)
         first_position = len(history)
 
         def choose(node: int) -> int:
-            node_seen = seen
-            if seen is not None and node:
-                node_seen = seen.clone()
-                node_seen[[tree.tokens[n] for n in tree.path_to(node)[1:]]] = True
-            return pick(logits[node], self.config, self.seed, first_position + tree.depths[node], node_seen)
+            occurrences = Occurrences(self._in_text, self._in_output)
+            if node and self.config.penalized:
+                occurrences = self._with_path([tree.tokens[n] for n in tree.path_to(node)[1:]])
+            return pick(logits[node], self.config, self.seed, first_position + tree.depths[node], occurrences)
 
         return tree.walk(choose)
 
-    def _context_mask(self, history: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
-        """Tokens of the request's text, kept up to date incrementally (the text only grows)."""
-        if self._seen is None:
-            self._seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        new = history[self._seen_upto :]
-        if new:
-            self._seen[list(new)] = True
-        self._seen_upto = len(history)
-        return self._seen
+    def _count(self, history: Sequence[int], logits: torch.Tensor) -> None:
+        """Bring the request's occurrences up to date with its text (which only grows)."""
+        config, vocab, device = self.config, logits.shape[-1], logits.device
+        if self._in_text is None and config.repetition_penalty != 1:
+            self._in_text = torch.zeros(vocab, dtype=torch.bool, device=device)
+        if self._in_output is None and (config.presence_penalty or config.frequency_penalty):
+            self._in_output = torch.zeros(vocab, dtype=torch.float32, device=device)
+        new = list(history[self._counted_upto :])
+        if self._in_text is not None and new:
+            self._in_text[new] = True
+        output = list(history[max(self._counted_upto, self.prompt_length) :])
+        if self._in_output is not None and output:
+            self._add(self._in_output, output)
+        self._counted_upto = len(history)
+
+    def _with_path(self, path: list[int]) -> Occurrences:
+        """The occurrences after the drafted tokens ``path`` (all of them output)."""
+        in_text = in_output = None
+        if self._in_text is not None:
+            in_text = self._in_text.clone()
+            in_text[path] = True
+        if self._in_output is not None:
+            in_output = self._in_output.clone()
+            self._add(in_output, path)
+        return Occurrences(in_text, in_output)
+
+    @staticmethod
+    def _add(counts: torch.Tensor, tokens: list[int]) -> None:
+        index = torch.tensor(tokens, device=counts.device)
+        counts.index_add_(0, index, torch.ones(len(tokens), dtype=counts.dtype, device=counts.device))
 
 
-def rule_for(config: GenerationConfig) -> AcceptanceRule:
+def rule_for(config: GenerationConfig, prompt_length: int = 0) -> AcceptanceRule:
     """The cheapest exact rule for a request's settings; unseeded sampling draws a fresh seed."""
     if config.plain_greedy:
         return GreedyRule()
-    return SamplingRule(config, config.seed if config.seed is not None else secrets.randbits(64))
+    seed = config.seed if config.seed is not None else secrets.randbits(64)
+    return SamplingRule(config, seed, prompt_length)

@@ -417,7 +417,7 @@ class Engine:
             tokens=list(tokens),
             prompt_length=len(tokens),
             stop=self._stop_criteria(config, len(tokens)),
-            rule=rule_for(config),
+            rule=rule_for(config, len(tokens)),
             stats=RequestStats(prompt_tokens=len(tokens), cached_tokens=admission.reused),
             started=started,
         )

@@ -10,6 +10,8 @@ the same token, and the accepted path is exactly what plain sampling would have 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -39,25 +41,41 @@ def gumbel_noise(seed: int, position: int, tokens: np.ndarray) -> np.ndarray:
     return -np.log(-np.log(uniform))
 
 
-def penalize(scores: torch.Tensor, seen: torch.Tensor | None, penalty: float) -> torch.Tensor:
-    """transformers' repetition penalty: divide positive logits of seen tokens, multiply negative ones."""
-    if seen is None or penalty == 1:
+@dataclass(frozen=True)
+class Occurrences:
+    """What the penalties see of one node's context, over the vocabulary; None where no penalty asks."""
+
+    in_text: torch.Tensor | None = None
+    """Whether each token is in the text so far, prompt included (the repetition penalty)."""
+    in_output: torch.Tensor | None = None
+    """How often each token is in the output so far, as floats (the presence and frequency penalties)."""
+
+
+def penalize(scores: torch.Tensor, config: GenerationConfig, occurrences: Occurrences | None) -> torch.Tensor:
+    """transformers' repetition penalty (positive logits of tokens in the text divided by it, negative
+    ones multiplied), then OpenAI's presence and frequency penalties subtracted for the output's tokens."""
+    if occurrences is None:
         return scores
-    scores = scores.clone()
-    picked = scores[seen]
-    scores[seen] = torch.where(picked < 0, picked * penalty, picked / penalty)
+    if occurrences.in_text is not None and config.repetition_penalty != 1:
+        scores = scores.clone()
+        seen, penalty = occurrences.in_text, config.repetition_penalty
+        picked = scores[seen]
+        scores[seen] = torch.where(picked < 0, picked * penalty, picked / penalty)
+    counts = occurrences.in_output
+    if counts is not None and (config.presence_penalty or config.frequency_penalty):
+        scores = scores - config.frequency_penalty * counts - config.presence_penalty * (counts > 0).float()
     return scores
 
 
 def support(
-    logits: torch.Tensor, config: GenerationConfig, seen: torch.Tensor | None = None
+    logits: torch.Tensor, config: GenerationConfig, occurrences: Occurrences | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens the processed distribution can emit and their scores (log-probabilities plus a constant).
 
-    ``seen`` marks the tokens of the node's context for the repetition penalty. Temperature must be
-    positive here; greedy decoding never needs the distribution.
+    ``occurrences`` is what the penalties see of the node's context. Temperature must be positive
+    here; greedy decoding never needs the distribution.
     """
-    scores = penalize(logits.float(), seen, config.repetition_penalty) / config.temperature
+    scores = penalize(logits.float(), config, occurrences) / config.temperature
     tokens: torch.Tensor | None = None
     if 0 < config.top_k < scores.numel():
         kth = torch.topk(scores, config.top_k).values[-1]
@@ -94,12 +112,16 @@ def _nucleus(scores: torch.Tensor, tokens: torch.Tensor | None, top_p: float) ->
 
 
 def pick(
-    logits: torch.Tensor, config: GenerationConfig, seed: int, position: int, seen: torch.Tensor | None
+    logits: torch.Tensor,
+    config: GenerationConfig,
+    seed: int,
+    position: int,
+    occurrences: Occurrences | None = None,
 ) -> int:
     """The token a request emits at ``position`` given the model's logits there."""
     if config.greedy:
-        return int(penalize(logits, seen, config.repetition_penalty).argmax())
-    tokens, scores = support(logits, config, seen)
+        return int(penalize(logits, config, occurrences).argmax())
+    tokens, scores = support(logits, config, occurrences)
     tokens, scores = tokens.cpu(), scores.double().cpu()
     noise = gumbel_noise(seed, position, tokens.numpy())
     return int(tokens[int(np.argmax(scores.numpy() + noise))])

@@ -1,7 +1,8 @@
 """The OpenAI request bodies this server accepts, checked field by field, and its error objects.
 
-Parameters keep the OpenAI names and meanings; ``top_k``, ``min_p`` and ``repetition_penalty`` are
-extra body fields (as vLLM takes them). OpenAI parameters this server does not implement are refused
+Parameters keep the OpenAI names and meanings (``presence_penalty`` and ``frequency_penalty`` count the
+output's tokens, as vLLM's do); ``top_k``, ``min_p`` and ``repetition_penalty`` are extra body fields
+(as vLLM takes them). OpenAI parameters this server does not implement are refused
 with a 400 naming the field when they ask for something other than their default, rather than
 silently ignored; unknown fields are ignored, as OpenAI's own clients send a few.
 """
@@ -23,8 +24,6 @@ UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "echo": False,
     "logprobs": None,
     "top_logprobs": None,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
     "logit_bias": None,
     "suffix": None,
     "tools": None,
@@ -72,6 +71,8 @@ class _Request(BaseModel):
     top_k: StrictInt = 0
     min_p: Number = 0.0
     repetition_penalty: Number = 1.0
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
     seed: StrictInt | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -99,6 +100,8 @@ class _Request(BaseModel):
             "top_k": self.top_k,
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
             "seed": self.seed,
         }
         try:
