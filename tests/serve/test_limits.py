@@ -157,16 +157,17 @@ def open_raw_request(port: int, path: str, body: dict) -> socket.socket:
     return connection
 
 
-def test_client_going_away_frees_its_row(slow):
+@pytest.mark.parametrize("choices", [1, 2])
+def test_client_going_away_frees_its_rows(slow, choices):
     running = slow.engine.scheduler.running
     generated = metric(slow, "reader_generated_tokens_total")
     went_away = metric(slow, "reader_requests_total", status="499")
 
-    connection = open_raw_request(slow.port, "/v1/completions", LONG)
+    connection = open_raw_request(slow.port, "/v1/completions", {**LONG, "n": choices})
     try:
-        assert wait_for(lambda: len(running) == 1)
+        assert wait_for(lambda: len(running) == choices)
         time.sleep(0.2)  # a few steps
-        assert len(running) == 1
+        assert len(running) == choices
     finally:
         connection.close()
     closed = time.monotonic()
@@ -177,11 +178,12 @@ def test_client_going_away_frees_its_row(slow):
     assert metric(slow, "reader_generated_tokens_total") == generated  # cancelled, never finished
 
 
+@pytest.mark.parametrize("choices", [1, 2])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_dropped_stream_frees_its_row(slow, path):
+def test_dropped_stream_frees_its_rows(slow, path, choices):
     running = slow.engine.scheduler.running
     generated = metric(slow, "reader_generated_tokens_total")
-    body = {**LONG, "stream": True}
+    body = {**LONG, "stream": True, "n": choices}
     if path.endswith("chat/completions"):
         body = {k: v for k, v in body.items() if k != "prompt"}
         body["messages"] = [{"role": "user", "content": "w5 w6 w7"}]
@@ -192,9 +194,9 @@ def test_dropped_stream_frees_its_row(slow, path):
             chunks = 0
             for line in response.iter_lines():
                 chunks += line.startswith("data: ")
-                if chunks == 2:
+                if chunks == choices + 1:
                     break
-            assert len(running) == 1
+            assert len(running) == choices
         closed = time.monotonic()
         assert wait_for(lambda: not running, timeout=3)
         assert time.monotonic() - closed < 2

@@ -149,6 +149,45 @@ def test_presence_and_frequency_penalties_reach_the_engine(client, reference, ki
     assert expected.tokens != plain.tokens
 
 
+def choice_texts(response, kind) -> list[str]:
+    return [c.message.content if kind == "chat" else c.text for c in response.choices]
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_n_choices_draw_with_consecutive_seeds_and_count_the_prompt_once(client, reference, kind):
+    prompt = PROMPTS[kind]
+    reply = create(client, kind, prompt, max_tokens=16, temperature=0.9, seed=7, n=3)
+    single = create(client, kind, prompt, max_tokens=16, temperature=0.9, seed=7)
+    expected = [
+        reference.generate([prompt], generation_config(16, temperature=0.9, seed=7 + i))[0] for i in range(3)
+    ]
+
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert choice_texts(reply, kind) == [e.text for e in expected]
+    assert len({e.text for e in expected}) > 1
+    assert text_of(single, kind) == expected[0].text
+    assert reply.usage.completion_tokens == sum(len(e.tokens) for e in expected)
+    assert reply.usage.prompt_tokens == single.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_streamed_choices_equal_the_whole_reply(client, kind):
+    params = {"max_tokens": 20, "temperature": 1.0, "seed": 11, "n": 4}
+    whole = create(client, kind, PROMPTS[kind], **params)
+    chunks = list(
+        create(client, kind, PROMPTS[kind], stream=True, stream_options={"include_usage": True}, **params)
+    )
+    texts, reasons = [""] * 4, [None] * 4
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += (choice.delta.content or "") if kind == "chat" else choice.text
+            reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+
+    assert texts == choice_texts(whole, kind)
+    assert reasons == [c.finish_reason for c in whole.choices]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_stop_string_cuts_the_text_before_it(client, reference, kind):
     prompt = PROMPTS[kind]

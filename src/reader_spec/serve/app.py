@@ -9,6 +9,7 @@ queued, so that a bad request costs the engine nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -31,6 +32,7 @@ from reader_spec.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
+    choice_configs,
     finish_reason,
 )
 from reader_spec.serve.service import EngineService, QueueFull, ShuttingDown, Stream
@@ -127,10 +129,11 @@ def create_app(service: EngineService, settings: ServerSettings) -> FastAPI:
         return await respond(body, request, tokens, config, chat=True)
 
     async def respond(body, request: Request, tokens: list[int], config, chat: bool):
-        """Queue the request, then stream its reply or wait for the whole of it."""
-        stream = _submit(service, tokens, config)
+        """Queue the request's choices, then stream the reply or wait for the whole of it."""
+        streams = _submit(service, tokens, choice_configs(config, body.n))
+        choices = [_Choice(i, stream, service, tokenizer, config) for i, stream in enumerate(streams)]
         prefix, kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
-        reply = _Reply(prefix, kind, settings.model_name, stream, service, tokenizer, config)
+        reply = _Reply(prefix, kind, settings.model_name, choices)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _sse(reply.stream_chat(include_usage) if chat else reply.stream_completion(include_usage))
@@ -177,13 +180,21 @@ def _max_new_tokens(
     return requested
 
 
-def _submit(service: EngineService, tokens: list[int], config) -> Stream:
+def _submit(service: EngineService, tokens: list[int], configs: list) -> list[Stream]:
+    """One engine request per choice; all of them or none."""
+    streams: list[Stream] = []
     try:
-        return service.submit(tokens, config)
-    except QueueFull:
-        raise OpenAIError(429, "the server is at capacity; retry shortly", kind="rate_limit_error") from None
-    except ShuttingDown:
+        for config in configs:
+            streams.append(service.submit(tokens, config))
+    except (QueueFull, ShuttingDown) as error:
+        for stream in streams:
+            service.cancel(stream.key)
+        if isinstance(error, QueueFull):
+            raise OpenAIError(
+                429, "the server is at capacity; retry shortly", kind="rate_limit_error"
+            ) from None
         raise OpenAIError(503, "the server is shutting down") from None
+    return streams
 
 
 def _error(error: OpenAIError) -> JSONResponse:
@@ -250,13 +261,11 @@ class _Guard:
 
 
 # --- replies ---------------------------------------------------------------------------------------------
-class _Reply:
-    """Turns one request's updates into OpenAI response objects, streamed or whole."""
+class _Choice:
+    """One choice's updates: its tokens so far and the text already sent."""
 
-    def __init__(self, prefix, kind, model, stream: Stream, service: EngineService, tokenizer, config):
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
-        self.kind, self.model, self.created = kind, model, int(time.time())
-        self.stream, self.service, self.tokenizer = stream, service, tokenizer
+    def __init__(self, index: int, stream: Stream, service: EngineService, tokenizer, config):
+        self.index, self.stream, self.service, self.tokenizer = index, stream, service, tokenizer
         self.hold_back = max((len(s) for s in config.stop_strings), default=1) - 1
         self.tokens: list[int] = []
         self.cached_tokens = 0
@@ -299,14 +308,31 @@ class _Reply:
         new, self.sent = text[len(self.sent) :], text
         return new
 
+    async def output(self):
+        output = None
+        async for update in self.updates():
+            output = update.output or output
+        return output
+
+
+class _Reply:
+    """Turns a request's choices' updates into OpenAI response objects, streamed or whole."""
+
+    def __init__(self, prefix, kind, model, choices: list[_Choice]):
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.kind, self.model, self.created = kind, model, int(time.time())
+        self.choices = choices
+
     def usage(self) -> dict:
-        completion = len(self.tokens)
-        prompt = self.stream.prompt_tokens
+        """The prompt counted once, as OpenAI counts it for ``n`` choices; its cached tokens those
+        every choice found."""
+        completion = sum(len(choice.tokens) for choice in self.choices)
+        prompt = self.choices[0].stream.prompt_tokens
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": min(c.cached_tokens for c in self.choices)},
         }
 
     def chunk(self, choice: dict) -> dict:
@@ -321,51 +347,82 @@ class _Reply:
 
     async def whole(self, request: Request, chat: bool) -> dict:
         """The finished response; a client that goes away first cancels the request."""
-        collect = asyncio.ensure_future(self._output())
+        collect = asyncio.ensure_future(asyncio.gather(*(choice.output() for choice in self.choices)))
         watcher = asyncio.ensure_future(_wait_for_disconnect(request))
         await asyncio.wait({collect, watcher}, return_when=asyncio.FIRST_COMPLETED)
         watcher.cancel()
         if not collect.done():
-            collect.cancel()  # the generator's clean-up cancels the request in the engine
+            collect.cancel()  # each generator's clean-up cancels its request in the engine
+            with contextlib.suppress(asyncio.CancelledError):
+                await collect
             raise OpenAIError(499, "the client went away")
-        output = collect.result()
-        reason = finish_reason(output.finish_reason)
-        if chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": output.text},
-                "finish_reason": reason,
-            }
-        else:
-            choice = {"index": 0, "text": output.text, "logprobs": None, "finish_reason": reason}
+        choices = []
+        for index, output in enumerate(collect.result()):
+            reason = finish_reason(output.finish_reason)
+            if chat:
+                message = {"role": "assistant", "content": output.text}
+                choices.append({"index": index, "message": message, "finish_reason": reason})
+            else:
+                choices.append(
+                    {"index": index, "text": output.text, "logprobs": None, "finish_reason": reason}
+                )
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage()}  # fmt: skip
-
-    async def _output(self):
-        output = None
-        async for update in self.updates():
-            output = update.output or output
-        return output
+                "choices": choices, "usage": self.usage()}  # fmt: skip
 
     async def stream_completion(self, include_usage: bool) -> AsyncIterator[dict]:
-        async for update in self.updates():
-            text = self.delta(update)
+        async for choice, update in self._updates():
+            text = choice.delta(update)
             reason = finish_reason(update.output.finish_reason) if update.output is not None else None
             if text or reason:
-                yield self.chunk({"index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+                yield self.chunk(
+                    {"index": choice.index, "text": text, "logprobs": None, "finish_reason": reason}
+                )
         if include_usage:
             yield {**self.chunk({}), "choices": [], "usage": self.usage()}
 
     async def stream_chat(self, include_usage: bool) -> AsyncIterator[dict]:
-        yield self.chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-        async for update in self.updates():
-            text = self.delta(update)
+        for choice in self.choices:
+            role = {"role": "assistant", "content": ""}
+            yield self.chunk({"index": choice.index, "delta": role, "finish_reason": None})
+        async for choice, update in self._updates():
+            text = choice.delta(update)
             reason = finish_reason(update.output.finish_reason) if update.output is not None else None
             if text or reason:
                 delta = {"content": text} if text else {}
-                yield self.chunk({"index": 0, "delta": delta, "finish_reason": reason})
+                yield self.chunk({"index": choice.index, "delta": delta, "finish_reason": reason})
         if include_usage:
             yield {**self.chunk({}), "choices": [], "usage": self.usage()}
+
+    async def _updates(self) -> AsyncIterator[tuple[_Choice, Update]]:
+        """Every choice's updates as they come; a consumer that stops cancels the choices left."""
+        if len(self.choices) == 1:
+            async for update in self.choices[0].updates():
+                yield self.choices[0], update
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: _Choice) -> None:
+            try:
+                async for update in choice.updates():
+                    await queue.put((choice, update))
+                await queue.put((choice, None))
+            except OpenAIError as error:
+                await queue.put((choice, error))
+
+        pumps = [asyncio.ensure_future(pump(choice)) for choice in self.choices]
+        try:
+            running = len(pumps)
+            while running:
+                choice, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, OpenAIError):
+                    raise item
+                else:
+                    yield choice, item
+        finally:
+            for task in pumps:
+                task.cancel()
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -9,6 +9,7 @@ silently ignored; unknown fields are ignored, as OpenAI's own clients send a few
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
@@ -17,9 +18,10 @@ from reader_spec.config import GenerationConfig
 
 DEFAULT_COMPLETION_TOKENS = 16
 """OpenAI's default ``max_tokens`` for completions; chat completions run to the context instead."""
+MAX_CHOICES = 128
+"""The most choices (``n``) one request may ask for, as OpenAI allows."""
 
 UNSUPPORTED_DEFAULTS: dict[str, Any] = {
-    "n": 1,
     "best_of": 1,
     "echo": False,
     "logprobs": None,
@@ -74,8 +76,16 @@ class _Request(BaseModel):
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
     seed: StrictInt | None = None
+    n: StrictInt = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _choices(cls, n):
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must lie in [1, {MAX_CHOICES}]")
+        return n
 
     @field_validator("stop")
     @classmethod
@@ -121,7 +131,7 @@ class CompletionRequest(_Request):
     def _one_prompt(cls, prompt):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
-                raise ValueError("one prompt per request (n=1): a list of strings must hold exactly one")
+                raise ValueError("one prompt per request: a list of strings must hold exactly one")
             prompt = prompt[0]
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -148,6 +158,14 @@ class ChatCompletionRequest(_Request):
 
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def choice_configs(config: GenerationConfig, n: int) -> list[GenerationConfig]:
+    """The settings of a request's ``n`` choices: with a seed, choice i draws with seed + i, so that
+    the choices differ and the request repeats; without one each draws fresh."""
+    if config.seed is None:
+        return [config] * n
+    return [replace(config, seed=(config.seed + i) % 2**64) for i in range(n)]
 
 
 def finish_reason(engine_reason: str) -> str:
