@@ -732,6 +732,19 @@ def test_a_next_turn_reuses_its_conversations_row_and_stays_exact(tiny, prompts,
             assert output.stats.cached_tokens in (held - 1, held)
 
 
+@pytest.mark.parametrize("batch_size", [2, 4])
+def test_requests_sharing_a_prompt_prefill_it_once_and_stay_exact(tiny, prompts, batch_size):
+    """Choices of one prompt (greedy and seeded samples) and a request sharing its beginning, started
+    together: the later ones copy the first one's prompt; outputs equal an engine that reuses nothing."""
+    prompt = prompts[2]
+    batch = [prompt] * 3 + [[*prompt[:-1], 5, 6]]
+    configs = [NO_EOS, SAMPLED[0], replace(SAMPLED[0], seed=9), NO_EOS]
+    expected = Engine(tiny, reuse_prefixes=False).generate(batch, configs, batch_size=batch_size)
+    outputs = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS).generate(batch, configs, batch_size=batch_size)
+    assert [o.tokens for o in outputs] == [o.tokens for o in expected]
+    assert [o.stats.cached_tokens for o in outputs] == [0, *[len(prompt) - 1] * 3]
+
+
 def test_a_new_cache_or_a_cold_start_reuses_nothing(tiny, prompts, plain_outputs):
     engine = Engine(tiny)
     engine.generate(prompts[:1], NO_EOS)

@@ -68,6 +68,31 @@ def test_without_a_shared_prefix_an_empty_row_then_the_one_freed_longest_ago():
     assert rows == [(2, 0, None), (older, 0, None), (newer, 0, None)]
 
 
+def test_a_request_copies_the_prompt_of_a_running_or_starting_request():
+    """The choices of one request, or clients sharing a system prompt: a prompt is prefilled once."""
+    scheduler = Scheduler(5)
+    prompt = [5, 6, 7, 8, 9]
+    for key in range(3):
+        scheduler.add(request(key, prompt))
+    first, second, third = scheduler.admit()
+    assert (first.reused, first.source) == (0, None)
+    assert [(a.reused, a.source) for a in (second, third)] == [(4, first.row)] * 2
+    for admission in (first, second, third):
+        key = admission.request.key
+        scheduler.start(
+            Sequence(key, key, admission.row, [*prompt, 1, 2], 5, None, None, RequestStats(), 0.0)
+        )
+    scheduler.add(request(3, [5, 6, 7, 1]))  # its answer's tokens are not the running rows' prompt
+    scheduler.add(request(4, [1, 2]))
+    fourth, fifth = scheduler.admit()
+    assert (fourth.reused, fourth.source) == (3, first.row)
+    assert (fifth.reused, fifth.source) == (0, None)
+    off = Scheduler(2, reuse_prefixes=False)
+    off.add(request(0, prompt))
+    off.add(request(1, prompt))
+    assert [(a.reused, a.source) for a in off.admit()] == [(0, None)] * 2
+
+
 def test_nothing_is_held_without_reuse_after_forgetting_or_for_a_cancelled_request():
     off = Scheduler(1, reuse_prefixes=False)
     run_and_finish(off, 0, [1, 2], held=[1, 2])

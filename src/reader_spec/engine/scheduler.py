@@ -6,7 +6,9 @@ resending its history) prefills only what follows: prefix reuse, as vLLM and SGL
 a ragged cache whose unit is a row. A continuation takes the row itself; a request that shares only
 the row's beginning (another question about the same document) gets that beginning copied into an
 empty row, so that the row stays for its own next turn (a copy of a few thousand entries costs far
-less than a forward pass over them).
+less than a forward pass over them). A request may also copy the beginning of a running request's
+prompt, or of one starting in the same step (the choices of one OpenAI request, clients sharing a
+system prompt): that row's prompt is prefilled before the copy and stays until the row is freed.
 """
 
 from __future__ import annotations
@@ -70,29 +72,41 @@ class Scheduler:
         self.waiting.append(request)
 
     def admit(self) -> list[Admission]:
-        """The waiting requests that start now, each with the row it takes."""
-        admitted = []
+        """The waiting requests that start now, each with the row it takes, in the order their
+        prefills must run (a copy from a row starting in this step follows that row's prefill)."""
+        admitted: list[Admission] = []
         while self.waiting and self.free_rows:
-            admission = self._place(self.waiting.popleft())
+            admission = self._place(self.waiting.popleft(), admitted)
             self.free_rows.remove(admission.row)
             self.held.pop(admission.row, None)
             admitted.append(admission)
         return admitted
 
-    def _place(self, request: Request) -> Admission:
+    def _place(self, request: Request, starting: list[Admission]) -> Admission:
         """Where ``request`` starts. The last prompt token is never reused: it is the root of the first
         verified tree, whose pass computes it."""
         wanted = request.tokens[:-1]
         reused = {row: common_prefix(held, wanted) for row, (held, _) in self.held.items()}
         empty = [row for row in self.free_rows if row not in self.held]
         best = max(reused, key=lambda row: (reused[row], -self.held[row][1]), default=None)
+        oldest = min(self.held, key=lambda row: self.held[row][1], default=None)
+        live, shared = self._longest_live_prefix(wanted, starting) if self.reuse_prefixes else (None, 0)
+        if live is not None and shared > (reused[best] if best is not None else 0):
+            return Admission(empty[0] if empty else oldest, request, shared, source=live)
         if best is None or reused[best] == 0:
-            oldest = min(self.held, key=lambda row: self.held[row][1], default=None)
             return Admission(empty[0] if empty else oldest, request)
         discarded = len(self.held[best][0]) - reused[best]
         if discarded <= reused[best] or not empty:
             return Admission(best, request, reused[best])
         return Admission(empty[0], request, reused[best], source=best)
+
+    def _longest_live_prefix(self, wanted: list[int], starting: list[Admission]) -> tuple[int | None, int]:
+        """The row, running or starting in this step, whose prompt (all but its last token, what its
+        prefill writes) begins with the longest part of ``wanted``, and that part's length."""
+        prompts = [(seq.row, seq.tokens[: seq.prompt_length - 1]) for seq in self.running]
+        prompts += [(admission.row, admission.request.tokens[:-1]) for admission in starting]
+        shared = [(row, common_prefix(prompt, wanted)) for row, prompt in prompts]
+        return max(shared, key=lambda pair: pair[1], default=(None, 0))
 
     def start(self, seq: Sequence) -> None:
         bisect.insort(self.running, seq, key=lambda s: s.row)

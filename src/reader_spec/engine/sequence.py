@@ -42,7 +42,7 @@ class DraftCounts:
 class RequestStats(DraftCounts):
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    """Prompt tokens whose keys and values an earlier request left in the row: not prefilled."""
+    """Prompt tokens whose keys and values the row held or another row's were copied: not prefilled."""
     accept_lengths: list[int] = field(default_factory=list)
     """Tokens each pass emitted, bonus included (Spec-Bench's accept lengths; sums to ``new_tokens``)."""
     accepted_by_source: dict[str, int] = field(default_factory=dict)
