@@ -106,9 +106,28 @@ def test_sampling_settings_per_request_and_compare_draws_the_same(capsys, tiny_l
     assert all(r["tokens"] == r["baseline"]["tokens"] for r in requests.values())
 
 
+def test_logprobs_are_listed_with_json_and_summed_up_in_text(capsys, tiny_llama_dir):
+    argv = ["generate", "--model", str(tiny_llama_dir), "--prompt", "w5 w6 w7 w5", "--max-new-tokens", "8"]
+    code, out, _ = run(capsys, *argv, "--logprobs", "2", "--compare", "--json")
+    assert code == 0
+    (request,) = json.loads(out)["requests"]
+    assert request["tokens"] == request["baseline"]["tokens"]
+    assert [lp["token"] for lp in request["logprobs"]] == request["tokens"]
+    for lp in request["logprobs"]:
+        assert lp["logprob"] <= 0 and len(lp["top"]) == 2 and lp["top"][0][1] >= lp["logprob"]
+    code, out, _ = run(capsys, *argv, "--logprobs", "0")
+    assert code == 0 and "perplexity" in out
+    code, out, _ = run(capsys, *argv, "--json")
+    assert "logprobs" not in json.loads(out)["requests"][0]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [(["--temperature", "-1"], "temperature must be >= 0"), (["--top-p", "0"], "top_p must lie in (0, 1]")],
+    [
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top-p", "0"], "top_p must lie in (0, 1]"),
+        (["--logprobs", "-1"], "logprobs must be None or an integer >= 0"),
+    ],
 )
 def test_invalid_sampling_settings_are_one_line_errors(capsys, tiny_llama_dir, argv, message):
     code, out, err = run(capsys, "generate", "--model", str(tiny_llama_dir), "--prompt", "w3", *argv)

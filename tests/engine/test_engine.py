@@ -323,6 +323,61 @@ def test_seeded_sampling_equals_plain_sampling_for_any_tree_and_batch(
         assert min(o.stats.mean_accepted for o in outputs) > 4
 
 
+def reference_logprobs(tiny, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The model's log-probabilities at each output token's position, from one pass over the whole text."""
+    logits = tiny.model(torch.tensor([prompt + tokens])).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)], dim=-1)
+
+
+@pytest.mark.parametrize("runner", ["auto", "transformers"])
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_logprobs_are_the_models_own_and_change_no_token(tiny, prompts, plain_sampled, batch_size, runner):
+    """Every request of a mixed batch (greedy, sampled, penalized, one cut by a stop string) asks for
+    log-probabilities but one: the tokens are those of plain decoding without them, and each token's
+    log-probability and its position's likeliest tokens are the model's over the whole text."""
+    references = [p + o.tokens for p, o in zip(prompts, plain_sampled, strict=True)]
+    configs = [replace(c, logprobs=3 if i % 2 else 0) for i, c in enumerate(mixed_configs(len(prompts)))]
+    configs[-1] = replace(configs[-1], logprobs=None)
+    stop = " ".join(f"w{t}" for t in plain_sampled[2].tokens[5:7])
+    configs[2] = replace(configs[2], stop_strings=(stop,))
+    engine = Engine(tiny, ScriptedDrafter(references, 0.3), budget=6, costs=FLAT_COSTS, runner=runner)
+    outputs = engine.generate(prompts, configs, batch_size=batch_size)
+    assert [o.tokens for o in outputs[:2]] == [o.tokens for o in plain_sampled[:2]]
+    assert [o.tokens for o in outputs[3:]] == [o.tokens for o in plain_sampled[3:]]
+    assert outputs[2].finish_reason == "stop" and len(outputs[2].tokens) < len(plain_sampled[2].tokens)
+    assert outputs[2].tokens == plain_sampled[2].tokens[: len(outputs[2].tokens)]
+    assert outputs[-1].logprobs is None
+    assert sum(o.stats.accepted for o in outputs) > 20  # drafts were accepted, so paths were read
+    for prompt, config, output in zip(prompts[:-1], configs, outputs, strict=False):
+        expected = reference_logprobs(tiny, prompt, output.tokens)
+        assert [lp.token for lp in output.logprobs] == output.tokens
+        chosen = torch.tensor([lp.logprob for lp in output.logprobs])
+        torch.testing.assert_close(chosen, expected.gather(1, torch.tensor(output.tokens)[:, None])[:, 0])
+        for lp, row in zip(output.logprobs, expected, strict=True):
+            assert len(lp.top) == config.logprobs
+            if lp.top:
+                values, ids = row.topk(config.logprobs)
+                assert [t for t, _ in lp.top] == ids.tolist()
+                torch.testing.assert_close(torch.tensor([v for _, v in lp.top]), values)
+
+
+def test_logprobs_stream_with_their_tokens(tiny, prompts):
+    engine = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS, max_batch_size=2)
+    keys = [engine.add_request(p, replace(NO_EOS, logprobs=2)) for p in prompts[:3]]
+    streamed: dict[int, list] = {key: [] for key in keys}
+    outputs = {}
+    while len(engine.scheduler):
+        for update in engine.step():
+            assert [lp.token for lp in update.new_logprobs] == update.new_tokens
+            streamed[update.key] += update.new_logprobs
+            if update.output is not None:
+                outputs[update.key] = update.output
+    assert all(streamed[key] == outputs[key].logprobs for key in keys)
+    plain = engine.add_request(prompts[0], NO_EOS)
+    while len(engine.scheduler):
+        assert all(update.new_logprobs is None for update in engine.step() if update.key == plain)
+
+
 def test_sampled_output_ignores_the_rest_of_the_batch(tiny, prompts, plain_sampled):
     """The same request, batched with different companions and settings, emits the same tokens."""
     target, config = prompts[1], SAMPLED[0]

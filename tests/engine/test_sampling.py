@@ -151,6 +151,9 @@ def test_pick_is_reproducible_and_varies_with_position():
         ("frequency_penalty", -2.1),
         ("seed", -1),
         ("seed", 1.5),
+        ("logprobs", -1),
+        ("logprobs", True),
+        ("logprobs", 2.0),
     ],
 )
 def test_invalid_settings_are_rejected_with_the_setting_named(field, value):

@@ -4,6 +4,7 @@ give exactly what the engine gives offline (``reader generate``'s path) for the 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import threading
 from collections.abc import Mapping
@@ -186,6 +187,54 @@ def test_streamed_choices_equal_the_whole_reply(client, kind):
     assert texts == choice_texts(whole, kind)
     assert reasons == [c.finish_reason for c in whole.choices]
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def approx(value: float):
+    return pytest.approx(value, abs=1e-5)
+
+
+def logprob_entries(response_choices, kind) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """Each token's text, log-probability and likeliest tokens, from chat's or completions' shape."""
+    entries = []
+    for choice in response_choices:
+        logprobs = choice.logprobs
+        if kind == "chat":
+            for item in logprobs.content:
+                assert item.bytes == list(item.token.encode())
+                entries.append((item.token, item.logprob, [(t.token, t.logprob) for t in item.top_logprobs]))
+        else:
+            offsets = logprobs.text_offset
+            assert [b - a for a, b in itertools.pairwise(offsets)] == [len(t) for t in logprobs.tokens[:-1]]
+            for token, logprob, top in zip(
+                logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True
+            ):
+                entries.append((token, logprob, list(top.items())))
+    return entries
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_logprobs_are_the_engines_whole_or_streamed(client, reference, tiny, kind):
+    prompt = PROMPTS[kind]
+    asked = {"logprobs": True, "top_logprobs": 3} if kind == "chat" else {"logprobs": 3}
+    params = {"max_tokens": 16, "temperature": 0.8, "seed": 6, **asked}
+    whole = create(client, kind, prompt, **params)
+    chunks = list(create(client, kind, prompt, stream=True, **params))
+    expected = reference.generate(
+        [prompt], replace(generation_config(16, temperature=0.8, seed=6), logprobs=3)
+    )[0]
+
+    # Texts exactly; values to float rounding (a pass's width may take other kernels: ``Engine``).
+    entries = logprob_entries(whole.choices, kind)
+    piece = lambda token: " " + tiny.tokenizer.decode([token])  # noqa: E731 (each word adds " w<i>")
+    assert entries == [
+        (piece(lp.token), approx(lp.logprob), [(piece(t), approx(p)) for t, p in lp.top])
+        for lp in expected.logprobs
+    ]
+    assert len(entries) == 16 and "".join(e[0] for e in entries).strip() == text_of(whole, kind)
+    streamed = logprob_entries([c.choices[0] for c in chunks if c.choices and c.choices[0].logprobs], kind)
+    assert streamed == [(t, approx(p), [(a, approx(q)) for a, q in top]) for t, p, top in entries]
+    plain = create(client, kind, prompt, max_tokens=4)
+    assert plain.choices[0].logprobs is None
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])

@@ -146,7 +146,12 @@ def bad_requests() -> list[Bad]:
         Bad("n=0", CHAT_PATH, {**chat, "n": 0}, 400, "n"),
         Bad("n a string", COMPLETION_PATH, {**text, "n": "two"}, 400, "n"),
         Bad("best_of=2", COMPLETION_PATH, {**text, "best_of": 2}, 400, "best_of"),
-        Bad("logprobs", COMPLETION_PATH, {**text, "logprobs": 3}, 400, "logprobs"),
+        Bad("logprobs 21", COMPLETION_PATH, {**text, "logprobs": 21}, 400, "logprobs"),
+        Bad(
+            "top_logprobs -1", CHAT_PATH, {**chat, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"
+        ),
+        Bad("top_logprobs without logprobs", CHAT_PATH, {**chat, "top_logprobs": 2}, 400, None),
+        Bad("echo", COMPLETION_PATH, {**text, "echo": True}, 400, "echo"),
         Bad("five stop strings", CHAT_PATH, {**chat, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         Bad("negative seed", COMPLETION_PATH, {**text, "seed": -1}, 400, "seed"),
         Bad("top_p zero", CHAT_PATH, {**chat, "top_p": 0}, 400, "top_p"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import secrets
 import sys
 import time
@@ -47,6 +48,13 @@ def add_parser(commands) -> None:
     add_prefix_reuse_option(gen)
     gen.add_argument("--compare", action="store_true", help="also run plain decoding and report the speedup")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    gen.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="K",
+        help="record each output token's log-probability under the model and the K likeliest tokens "
+        "at its position (0: the token's alone): listed with --json, summed up as perplexity otherwise",
+    )
     gen.set_defaults(handler=run)
 
 
@@ -89,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
 
 def request_configs(args: argparse.Namespace, records: list[InputRecord]) -> list[GenerationConfig]:
     base = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, stop_strings=tuple(args.stop), **sampling_settings(args)
+        max_new_tokens=args.max_new_tokens,
+        stop_strings=tuple(args.stop),
+        logprobs=args.logprobs,
+        **sampling_settings(args),
     )
     configs = []
     for record in records:
@@ -144,6 +155,11 @@ def _as_json(model_name: str, outputs: list[Output], summary: dict, baseline) ->
             "seconds": o.stats.seconds,
             "stats": o.stats.as_dict(),
         }
+        if o.logprobs is not None:
+            entry["logprobs"] = [
+                {"token": lp.token, "logprob": lp.logprob, "top": [list(pair) for pair in lp.top]}
+                for lp in o.logprobs
+            ]
         if baseline is not None:
             entry["baseline"] = {"tokens": baseline[i].tokens, "seconds": baseline[i].stats.seconds}
         requests.append(entry)
@@ -159,6 +175,9 @@ def _print_text(outputs: list[Output], summary: dict, baseline) -> None:
             f"--- {len(o.tokens)} tokens in {s.seconds:.2f} s ({s.tokens_per_second:.1f} tok/s), "
             f"{s.mean_accepted:.2f} tokens/step, finish: {o.finish_reason}"
         )
+        if o.logprobs:
+            mean = sum(lp.logprob for lp in o.logprobs) / len(o.logprobs)
+            print(f"--- mean log-probability {mean:.3f}, perplexity {math.exp(-mean):.2f}")
     print()
     print(
         f"reader: {summary['new_tokens']} tokens in {summary['seconds']:.2f} s = "

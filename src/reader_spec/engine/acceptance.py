@@ -109,8 +109,9 @@ class SamplingRule:
 
 
 def rule_for(config: GenerationConfig, prompt_length: int = 0) -> AcceptanceRule:
-    """The cheapest exact rule for a request's settings; unseeded sampling draws a fresh seed."""
-    if config.plain_greedy:
+    """The cheapest exact rule for a request's settings (the argmax alone unless the logits are needed:
+    penalties, sampling or log-probabilities); unseeded sampling draws a fresh seed."""
+    if config.plain_greedy and config.logprobs is None:
         return GreedyRule()
     seed = config.seed if config.seed is not None else secrets.randbits(64)
     return SamplingRule(config, seed, prompt_length)

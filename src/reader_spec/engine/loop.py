@@ -24,6 +24,7 @@ from reader_spec.budget.realized import DraftingGate, RealizedAcceptance, Realiz
 from reader_spec.config import GenerationConfig
 from reader_spec.drafters.base import Drafter, feed_back, propose_all
 from reader_spec.engine.acceptance import rule_for
+from reader_spec.engine.logprobs import TokenLogprob, token_logprobs
 from reader_spec.engine.runner import (
     ModelRunner,
     device_description,
@@ -68,6 +69,8 @@ class Update:
     request_id: object
     new_tokens: list[int]
     output: Output | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+    """The new tokens' log-probabilities, where the request asked for them."""
 
 
 class Engine:
@@ -242,7 +245,10 @@ class Engine:
                 held = min(int(runner.cache.lengths[seq.row]), len(seq.tokens))
                 self.scheduler.finish(seq, seq.tokens[:held])
                 output = self._retire(seq)
-            updates.append(Update(seq.key, seq.request_id, seq.tokens[before:], output))
+            new_logprobs = None
+            if seq.top_logprobs is not None:
+                new_logprobs = seq.logprobs[before - seq.prompt_length :]
+            updates.append(Update(seq.key, seq.request_id, seq.tokens[before:], output, new_logprobs))
         return updates
 
     def cancel(self, key: int) -> bool:
@@ -400,6 +406,8 @@ class Engine:
         emitted = [tree.tokens[node] for node in path[1:]] + [bonus]
         kept, seq.finish_reason = seq.stop.clip(seq.generated, emitted)
         seq.tokens.extend(kept)
+        if seq.top_logprobs is not None:  # token i was picked at node path[i]
+            seq.logprobs += token_logprobs(scores, path[: len(kept)], kept, seq.top_logprobs)
         seq.stats.record_step(proposal, len(kept), [node - 1 for node in path[1 : 1 + len(kept)]])
         if self.drafter is not None:
             feed_back(self.drafter, seq.key, proposal, path, kept)
@@ -420,6 +428,7 @@ class Engine:
             rule=rule_for(config, len(tokens)),
             stats=RequestStats(prompt_tokens=len(tokens), cached_tokens=admission.reused),
             started=started,
+            top_logprobs=config.logprobs,
         )
         # The last prompt token is the first root: prefill everything before it, so every later
         # step, this first one included, verifies a tree rooted at the pending token.

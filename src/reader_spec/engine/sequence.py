@@ -6,6 +6,7 @@ from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
 
 from reader_spec.engine.acceptance import AcceptanceRule
+from reader_spec.engine.logprobs import TokenLogprob
 from reader_spec.engine.stopping import StopCriteria
 from reader_spec.engine.tree import Proposal
 
@@ -91,6 +92,8 @@ class Output:
     text: str
     finish_reason: str
     stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None
+    """One per token of ``tokens`` where the request asked for them (``GenerationConfig.logprobs``)."""
 
 
 @dataclass
@@ -111,6 +114,11 @@ class Sequence:
     stats: RequestStats
     started: float
     finish_reason: str | None = None
+    top_logprobs: int | None = None
+    """The request's ``GenerationConfig.logprobs``: how many likeliest tokens to return at each of its
+    tokens (None: no log-probabilities)."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """One per generated token, where ``top_logprobs`` asks for them."""
 
     @property
     def generated(self) -> list[int]:
@@ -123,4 +131,5 @@ class Sequence:
             text=self.stop.final_text(self.generated),
             finish_reason=self.finish_reason,
             stats=self.stats,
+            logprobs=self.logprobs if self.top_logprobs is not None else None,
         )

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from reader_spec.engine.loop import Update
 from reader_spec.prompts import PromptError
+from reader_spec.serve.logprobs import LogprobWriter
 from reader_spec.serve.metrics import Metrics
 from reader_spec.serve.protocol import (
     DEFAULT_COMPLETION_TOKENS,
@@ -131,7 +132,7 @@ def create_app(service: EngineService, settings: ServerSettings) -> FastAPI:
     async def respond(body, request: Request, tokens: list[int], config, chat: bool):
         """Queue the request's choices, then stream the reply or wait for the whole of it."""
         streams = _submit(service, tokens, choice_configs(config, body.n))
-        choices = [_Choice(i, stream, service, tokenizer, config) for i, stream in enumerate(streams)]
+        choices = [_Choice(i, stream, service, tokenizer, config, tokens) for i, stream in enumerate(streams)]
         prefix, kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
         reply = _Reply(prefix, kind, settings.model_name, choices)
         if body.stream:
@@ -262,10 +263,12 @@ class _Guard:
 
 # --- replies ---------------------------------------------------------------------------------------------
 class _Choice:
-    """One choice's updates: its tokens so far and the text already sent."""
+    """One choice's updates: its tokens so far, the text already sent, and its log-probabilities'
+    writer where the request asked for them."""
 
-    def __init__(self, index: int, stream: Stream, service: EngineService, tokenizer, config):
+    def __init__(self, index: int, stream: Stream, service: EngineService, tokenizer, config, prompt):
         self.index, self.stream, self.service, self.tokenizer = index, stream, service, tokenizer
+        self.logprobs = LogprobWriter(tokenizer, prompt) if config.logprobs is not None else None
         self.hold_back = max((len(s) for s in config.stop_strings), default=1) - 1
         self.tokens: list[int] = []
         self.cached_tokens = 0
@@ -307,6 +310,13 @@ class _Choice:
             return ""
         new, self.sent = text[len(self.sent) :], text
         return new
+
+    def logprobs_field(self, logprobs, chat: bool) -> dict | None:
+        """The response's ``logprobs`` for these tokens (None where the request did not ask, or no
+        token came)."""
+        if self.logprobs is None or not logprobs:
+            return None
+        return self.logprobs.chat(logprobs) if chat else self.logprobs.completion(logprobs)
 
     async def output(self):
         output = None
@@ -357,14 +367,22 @@ class _Reply:
                 await collect
             raise OpenAIError(499, "the client went away")
         choices = []
-        for index, output in enumerate(collect.result()):
+        for choice, output in zip(self.choices, collect.result(), strict=True):
             reason = finish_reason(output.finish_reason)
+            logprobs = choice.logprobs_field(output.logprobs, chat)
             if chat:
                 message = {"role": "assistant", "content": output.text}
-                choices.append({"index": index, "message": message, "finish_reason": reason})
+                choices.append(
+                    {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+                )
             else:
                 choices.append(
-                    {"index": index, "text": output.text, "logprobs": None, "finish_reason": reason}
+                    {
+                        "index": choice.index,
+                        "text": output.text,
+                        "logprobs": logprobs,
+                        "finish_reason": reason,
+                    }
                 )
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}  # fmt: skip
@@ -373,9 +391,10 @@ class _Reply:
         async for choice, update in self._updates():
             text = choice.delta(update)
             reason = finish_reason(update.output.finish_reason) if update.output is not None else None
-            if text or reason:
+            logprobs = choice.logprobs_field(update.new_logprobs, chat=False)
+            if text or reason or logprobs:
                 yield self.chunk(
-                    {"index": choice.index, "text": text, "logprobs": None, "finish_reason": reason}
+                    {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
                 )
         if include_usage:
             yield {**self.chunk({}), "choices": [], "usage": self.usage()}
@@ -387,9 +406,12 @@ class _Reply:
         async for choice, update in self._updates():
             text = choice.delta(update)
             reason = finish_reason(update.output.finish_reason) if update.output is not None else None
-            if text or reason:
+            logprobs = choice.logprobs_field(update.new_logprobs, chat=True)
+            if text or reason or logprobs:
                 delta = {"content": text} if text else {}
-                yield self.chunk({"index": choice.index, "delta": delta, "finish_reason": reason})
+                yield self.chunk(
+                    {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+                )
         if include_usage:
             yield {**self.chunk({}), "choices": [], "usage": self.usage()}
 

@@ -12,7 +12,16 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    field_validator,
+    model_validator,
+)
 
 from reader_spec.config import GenerationConfig
 
@@ -20,12 +29,13 @@ DEFAULT_COMPLETION_TOKENS = 16
 """OpenAI's default ``max_tokens`` for completions; chat completions run to the context instead."""
 MAX_CHOICES = 128
 """The most choices (``n``) one request may ask for, as OpenAI allows."""
+MAX_TOP_LOGPROBS = 20
+"""The most likeliest tokens a request may ask for at each position (chat's limit at OpenAI, vLLM's
+default for both endpoints)."""
 
 UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "best_of": 1,
     "echo": False,
-    "logprobs": None,
-    "top_logprobs": None,
     "logit_bias": None,
     "suffix": None,
     "tools": None,
@@ -102,6 +112,10 @@ class _Request(BaseModel):
             if name in extra and extra[name] not in (default, None):
                 raise OpenAIError(400, f"{name}={extra[name]!r} is not supported by this server", name)
 
+    def requested_logprobs(self) -> int | None:
+        """How many likeliest tokens to return at each position; None: no log-probabilities."""
+        raise NotImplementedError
+
     def generation_config(self, max_new_tokens: int) -> GenerationConfig:
         """The engine's settings; raises ``OpenAIError`` naming the field that is out of range."""
         settings = {
@@ -116,7 +130,10 @@ class _Request(BaseModel):
         }
         try:
             return GenerationConfig(
-                max_new_tokens=max_new_tokens, stop_strings=tuple(self.stop or ()), **settings
+                max_new_tokens=max_new_tokens,
+                stop_strings=tuple(self.stop or ()),
+                logprobs=self.requested_logprobs(),
+                **settings,
             )
         except ValueError as e:
             param = next((name for name in settings if str(e).startswith(name)), None)
@@ -125,6 +142,15 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: StrictStr | list[StrictInt] | list[StrictStr]
+    logprobs: StrictInt | None = None
+
+    @field_validator("logprobs")
+    @classmethod
+    def _top(cls, logprobs):
+        return _top_logprobs("logprobs", logprobs)
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -148,6 +174,22 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top(cls, top_logprobs):
+        return _top_logprobs("top_logprobs", top_logprobs)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod
@@ -158,6 +200,12 @@ class ChatCompletionRequest(_Request):
 
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def _top_logprobs(name: str, top: int | None) -> int | None:
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"{name} must lie in [0, {MAX_TOP_LOGPROBS}]")
+    return top
 
 
 def choice_configs(config: GenerationConfig, n: int) -> list[GenerationConfig]:
