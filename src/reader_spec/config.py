@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 SAMPLING_FIELDS = (
@@ -12,6 +13,7 @@ SAMPLING_FIELDS = (
     "repetition_penalty",
     "presence_penalty",
     "frequency_penalty",
+    "logit_bias",
     "seed",
 )
 """Settings a request may override one by one (the names transformers and the OpenAI API use)."""
@@ -25,7 +27,8 @@ class GenerationConfig:
     on a token. Output never goes past ``max_new_tokens``, an end-of-sequence token (kept as the last
     token) or the end of a stop string (the text is cut before it), even when a draft tree accepted more.
 
-    Token choice follows transformers' order: repetition penalty, temperature, top-k, top-p, min-p;
+    Token choice follows transformers' order: logit bias, repetition penalty, temperature, top-k,
+    top-p, min-p;
     OpenAI's presence and frequency penalties come right after the repetition penalty, and count the
     output's tokens only (as vLLM applies them), where the repetition penalty sees the prompt too.
     ``temperature=0`` is greedy decoding. With a ``seed`` the output depends only on the request and
@@ -46,6 +49,9 @@ class GenerationConfig:
     """Subtracted from the logit of every token the output holds so far."""
     frequency_penalty: float = 0.0
     """Subtracted from a token's logit once for each time the output holds it so far."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """``(token, bias)`` pairs added to those tokens' logits before anything else (OpenAI's
+    ``logit_bias``: -100 bans a token, 100 all but forces it); a mapping is taken too."""
     seed: int | None = None
     logprobs: int | None = None
     """Return each output token's log-probability and the ``logprobs`` likeliest tokens at its position
@@ -60,6 +66,7 @@ class GenerationConfig:
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty strings")
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         if self.eos_token_ids is not None:
             object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
         _check(_is_number(self.temperature) and self.temperature >= 0, "temperature must be >= 0", self)
@@ -98,7 +105,33 @@ class GenerationConfig:
     @property
     def plain_greedy(self) -> bool:
         """Greedy with untouched logits: the argmax of every node can be taken in one batched call."""
-        return self.greedy and not self.penalized
+        return self.greedy and not self.penalized and not self.logit_bias
+
+
+MAX_LOGIT_BIAS = 100.0
+"""OpenAI's bound on a token's bias."""
+
+
+def _bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted ``(token, bias)`` pairs; token ids may come as strings (JSON keys)."""
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    try:
+        checked = {}
+        for token, value in pairs:
+            token = int(token) if isinstance(token, str) and token.isdigit() else token
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+            if not _is_number(value) or abs(value) > MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must lie in [-100, 100], got {value!r} for token {token}"
+                )
+            checked[token] = float(value)
+    except (TypeError, ValueError) as e:
+        message = (
+            str(e) if str(e).startswith("logit_bias") else f"logit_bias must map token ids to biases: {e}"
+        )
+        raise ValueError(message) from None
+    return tuple(sorted(checked.items()))
 
 
 def _is_number(value: object) -> bool:

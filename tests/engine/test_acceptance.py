@@ -172,6 +172,7 @@ def test_rule_for_picks_the_batched_argmax_only_for_plain_greedy():
     assert isinstance(rule_for(GenerationConfig(repetition_penalty=1.1)), SamplingRule)
     assert isinstance(rule_for(GenerationConfig(presence_penalty=0.1)), SamplingRule)
     assert isinstance(rule_for(GenerationConfig(frequency_penalty=-0.1)), SamplingRule)
+    assert isinstance(rule_for(GenerationConfig(logit_bias={3: -100})), SamplingRule)
     assert isinstance(rule_for(GenerationConfig(logprobs=0)), SamplingRule)  # log-probabilities need logits
     seeded = rule_for(GenerationConfig(temperature=0.5, seed=9))
     assert isinstance(seeded, SamplingRule) and seeded.seed == 9

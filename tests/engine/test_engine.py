@@ -276,6 +276,14 @@ def test_invalid_arguments(tiny):
         Engine(tiny).generate([[1, 2]], batch_size=0)
     with pytest.raises(ValueError):
         GenerationConfig(max_new_tokens=0)
+    engine = Engine(tiny)
+    for call in (
+        lambda config: engine.generate([[1, 2]], config),
+        lambda config: engine.add_request([1, 2], config),
+    ):
+        with pytest.raises(ValueError, match=r"logit_bias names token 96, outside the vocabulary \(0..95\)"):
+            call(GenerationConfig(logit_bias={5: 1, 96: -100}))
+    assert not len(engine.scheduler)
 
 
 # --- sampling: seeded output depends only on the request and its seed ---------------------------------
@@ -291,6 +299,7 @@ SAMPLED = [
         temperature=0.9,
         presence_penalty=0.8,
         frequency_penalty=0.4,
+        logit_bias={4: 3.0, 10: -100},
         seed=4,
     ),
 ]
@@ -418,14 +427,17 @@ def test_greedy_with_repetition_penalty_equals_transformers(tiny, prompts):
 
 
 def test_greedy_with_every_penalty_equals_a_reference_over_the_whole_text(tiny, prompts):
-    """transformers' repetition penalty, then OpenAI's presence and frequency penalties written out
-    from their definition over the output, on the model's logits for the whole text at each step."""
+    """A logit bias, transformers' repetition penalty, then OpenAI's presence and frequency penalties
+    written out from their definition over the output, on the model's logits for the whole text at
+    each step."""
+    bias = {4: 2.5, 10: -100}
     config = GenerationConfig(
         max_new_tokens=30,
         eos_token_ids=(),
         repetition_penalty=1.2,
         presence_penalty=0.6,
         frequency_penalty=0.9,
+        logit_bias=bias,
     )
     outputs = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS).generate(prompts[:4], config, batch_size=2)
     repetition = RepetitionPenaltyLogitsProcessor(1.2)
@@ -433,14 +445,18 @@ def test_greedy_with_every_penalty_equals_a_reference_over_the_whole_text(tiny, 
         text = list(prompt)
         for _ in range(30):
             ids = torch.tensor([text])
-            scores = repetition(ids, tiny.model(ids).logits[:, -1].float())[0]
+            logits = tiny.model(ids).logits[:, -1].float()
+            for token, value in bias.items():
+                logits[0, token] += value
+            scores = repetition(ids, logits)[0]
             generated = text[len(prompt) :]
             for token in set(generated):
                 scores[token] -= 0.9 * generated.count(token) + 0.6
             text.append(int(scores.argmax()))
         assert output.tokens == text[len(prompt) :]
-    unpenalized = Engine(tiny).generate(prompts[:4], replace(config, presence_penalty=0, frequency_penalty=0))
-    assert [o.tokens for o in outputs] != [o.tokens for o in unpenalized]
+    for change in ({"presence_penalty": 0, "frequency_penalty": 0}, {"logit_bias": {4: 2.5}}):
+        other = Engine(tiny).generate(prompts[:4], replace(config, **change))
+        assert [o.tokens for o in outputs] != [o.tokens for o in other]
 
 
 def test_per_request_configs_must_match_the_prompts(tiny, prompts):

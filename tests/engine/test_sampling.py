@@ -10,6 +10,7 @@ import torch
 from transformers import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -29,6 +30,7 @@ SETTINGS = [
         temperature=0.9, top_k=40, repetition_penalty=1.1, presence_penalty=1.0, frequency_penalty=0.6
     ),
     GenerationConfig(temperature=1.0, presence_penalty=-0.5, frequency_penalty=2.0),
+    GenerationConfig(temperature=0.8, top_k=10, repetition_penalty=1.2, logit_bias={3: 4.0, 7: -100, 9: 0.5}),
 ]
 PROMPT_LENGTH = 4
 """The prompt part of a test context: the presence and frequency penalties count the rest."""
@@ -41,6 +43,8 @@ def reference_log_probs(
     presence and frequency penalties (which transformers lacks) right after the repetition penalty,
     written out from their definition over the output, ``context[prompt_length:]``."""
     processors = []
+    if config.logit_bias:
+        processors.append(SequenceBiasLogitsProcessor({(t,): b for t, b in config.logit_bias}))
     if config.repetition_penalty != 1:
         processors.append(RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
     processors.append(TemperatureLogitsWarper(config.temperature))
@@ -52,6 +56,8 @@ def reference_log_probs(
         processors.append(MinPLogitsWarper(config.min_p))
     ids = torch.tensor([context], device=logits.device)
     scores = logits[None].clone()
+    if config.logit_bias:
+        scores = processors.pop(0)(ids, scores)
     if config.repetition_penalty != 1:
         scores = processors.pop(0)(ids, scores)
     for token in set(context[prompt_length:]):
@@ -151,6 +157,11 @@ def test_pick_is_reproducible_and_varies_with_position():
         ("frequency_penalty", -2.1),
         ("seed", -1),
         ("seed", 1.5),
+        ("logit_bias", {5: 101}),
+        ("logit_bias", {"w5": 1}),
+        ("logit_bias", {-1: 1}),
+        ("logit_bias", {5: float("nan")}),
+        ("logit_bias", 5),
         ("logprobs", -1),
         ("logprobs", True),
         ("logprobs", 2.0),

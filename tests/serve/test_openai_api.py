@@ -150,6 +150,20 @@ def test_presence_and_frequency_penalties_reach_the_engine(client, reference, ki
     assert expected.tokens != plain.tokens
 
 
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_logit_bias_reaches_the_engine(client, reference, tiny, kind):
+    prompt = PROMPTS[kind]
+    plain = reference.generate([prompt], generation_config(12))[0]
+    bias = {plain.tokens[0]: -100, plain.tokens[1]: 5}  # ban the first token, favour the second
+    biased = create(
+        client, kind, prompt, max_tokens=12, temperature=0, logit_bias={str(t): b for t, b in bias.items()}
+    )
+    expected = reference.generate([prompt], replace(generation_config(12), logit_bias=bias))[0]
+
+    assert text_of(biased, kind) == expected.text != plain.text
+    assert plain.tokens[0] not in expected.tokens
+
+
 def choice_texts(response, kind) -> list[str]:
     return [c.message.content if kind == "chat" else c.text for c in response.choices]
 

@@ -151,6 +151,15 @@ def bad_requests() -> list[Bad]:
             "top_logprobs -1", CHAT_PATH, {**chat, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"
         ),
         Bad("top_logprobs without logprobs", CHAT_PATH, {**chat, "top_logprobs": 2}, 400, None),
+        Bad("logit_bias 101", CHAT_PATH, {**chat, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+        Bad("logit_bias not an id", CHAT_PATH, {**chat, "logit_bias": {"w5": 1}}, 400, "logit_bias"),
+        Bad(
+            "logit_bias past the vocabulary",
+            COMPLETION_PATH,
+            {**text, "logit_bias": {"96": -100}},
+            400,
+            "logit_bias",
+        ),
         Bad("echo", COMPLETION_PATH, {**text, "echo": True}, 400, "echo"),
         Bad("five stop strings", CHAT_PATH, {**chat, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         Bad("negative seed", COMPLETION_PATH, {**text, "seed": -1}, 400, "seed"),

@@ -109,7 +109,23 @@ def add_sampling_options(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="OpenAI's, in [-2, 2]: once for each time the output holds a token",
     )
+    group.add_argument(
+        "--logit-bias",
+        type=_bias,
+        action="append",
+        default=[],
+        metavar="TOKEN=BIAS",
+        help="add BIAS in [-100, 100] to token id TOKEN's logit (-100 bans it; repeatable)",
+    )
     group.add_argument("--seed", type=int, help="makes sampled output reproducible, whatever the drafter")
+
+
+def _bias(value: str) -> tuple[int, float]:
+    token, _, bias = value.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN=BIAS, e.g. 50256=-100, got {value!r}") from None
 
 
 def sampling_settings(args: argparse.Namespace) -> dict:

@@ -181,6 +181,8 @@ class Engine:
             )
         encoded = [self.encode(p) for p in prompts]
         configs = _per_request(config, len(encoded))
+        for request_config in configs:
+            self.check_config(request_config)
         ids = list(range(len(encoded))) if ids is None else list(ids)
         if len(ids) != len(encoded):
             raise ValueError("ids and prompts must have the same length")
@@ -208,14 +210,23 @@ class Engine:
     ) -> int:
         """Queue a request; it starts at the next step with a free cache row. Returns its key.
 
-        Raises ``PromptError`` for a prompt that cannot be decoded (nothing is queued then).
+        Raises ``PromptError`` for a prompt that cannot be decoded and ``ValueError`` for settings the
+        model cannot honour (nothing is queued then).
         """
         tokens = self.encode(prompt)
+        config = config or GenerationConfig()
+        self.check_config(config)
         key = next(self._keys)
-        self.scheduler.add(
-            Request(key, key if request_id is None else request_id, tokens, config or GenerationConfig())
-        )
+        self.scheduler.add(Request(key, key if request_id is None else request_id, tokens, config))
         return key
+
+    def check_config(self, config: GenerationConfig) -> None:
+        """Refuse (``ValueError``) settings this model cannot honour: a logit bias on a token outside
+        its vocabulary."""
+        vocab = len(self.tokenizer)
+        outside = [token for token, _ in config.logit_bias if token >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias names token {outside[0]}, outside the vocabulary (0..{vocab - 1})")
 
     def step(self) -> list[Update]:
         """Admit waiting requests into free rows, then one verification pass over the running batch."""

@@ -52,8 +52,13 @@ class Occurrences:
 
 
 def penalize(scores: torch.Tensor, config: GenerationConfig, occurrences: Occurrences | None) -> torch.Tensor:
-    """transformers' repetition penalty (positive logits of tokens in the text divided by it, negative
-    ones multiplied), then OpenAI's presence and frequency penalties subtracted for the output's tokens."""
+    """The logit bias added, then transformers' repetition penalty (positive logits of tokens in the
+    text divided by it, negative ones multiplied), then OpenAI's presence and frequency penalties
+    subtracted for the output's tokens."""
+    if config.logit_bias:
+        tokens, biases = zip(*config.logit_bias, strict=True)
+        scores = scores.clone()
+        scores[list(tokens)] += torch.tensor(biases, dtype=scores.dtype, device=scores.device)
     if occurrences is None:
         return scores
     if occurrences.in_text is not None and config.repetition_penalty != 1:

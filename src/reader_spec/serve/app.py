@@ -116,7 +116,7 @@ def create_app(service: EngineService, settings: ServerSettings) -> FastAPI:
         body.check_supported()
         tokens = _encode(service, body.prompt, "prompt")
         requested = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
-        config = body.generation_config(_max_new_tokens(service, tokens, requested))
+        config = _checked(service, body.generation_config(_max_new_tokens(service, tokens, requested)))
         return await respond(body, request, tokens, config, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -126,7 +126,8 @@ def create_app(service: EngineService, settings: ServerSettings) -> FastAPI:
         messages = [m.model_dump() for m in body.messages]
         tokens = _encode(service, messages, "messages")
         limit = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        config = body.generation_config(_max_new_tokens(service, tokens, body.requested_tokens(), limit))
+        limited = _max_new_tokens(service, tokens, body.requested_tokens(), limit)
+        config = _checked(service, body.generation_config(limited))
         return await respond(body, request, tokens, config, chat=True)
 
     async def respond(body, request: Request, tokens: list[int], config, chat: bool):
@@ -159,6 +160,15 @@ def _encode(service: EngineService, prompt, param: str) -> list[int]:
         return service.engine.encode(prompt)
     except PromptError as e:
         raise OpenAIError(400, str(e), param) from None
+
+
+def _checked(service: EngineService, config):
+    """The settings, once the model can honour them (a logit bias names tokens of its vocabulary)."""
+    try:
+        service.engine.check_config(config)
+    except ValueError as e:
+        raise OpenAIError(400, str(e), "logit_bias") from None
+    return config
 
 
 def _max_new_tokens(

@@ -36,7 +36,6 @@ default for both endpoints)."""
 UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "best_of": 1,
     "echo": False,
-    "logit_bias": None,
     "suffix": None,
     "tools": None,
     "tool_choice": None,
@@ -85,6 +84,7 @@ class _Request(BaseModel):
     repetition_penalty: Number = 1.0
     presence_penalty: Number = 0.0
     frequency_penalty: Number = 0.0
+    logit_bias: dict[StrictStr, Number] | None = None
     seed: StrictInt | None = None
     n: StrictInt = 1
     stream: StrictBool = False
@@ -126,6 +126,7 @@ class _Request(BaseModel):
             "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
+            "logit_bias": self.logit_bias or (),
             "seed": self.seed,
         }
         try:
