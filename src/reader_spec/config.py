@@ -57,6 +57,9 @@ class GenerationConfig:
     """Return each output token's log-probability and the ``logprobs`` likeliest tokens at its position
     (0: the token's alone); None returns none. The model's raw log-probabilities, whatever the settings
     above (:mod:`reader_spec.engine.logprobs`)."""
+    prompt_logprobs: int | None = None
+    """The same for the prompt's tokens (from its second on), read from the prefill's logits: such a
+    prompt is prefilled whole, never taken from the cache."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -81,12 +84,13 @@ class GenerationConfig:
         for field in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, field)
             _check(_is_number(value) and -2 <= value <= 2, f"{field} must lie in [-2, 2]", self)
-        _check(
-            self.logprobs is None
-            or (_is_number(self.logprobs) and isinstance(self.logprobs, int) and self.logprobs >= 0),
-            "logprobs must be None or an integer >= 0",
-            self,
-        )
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            _check(
+                value is None or (_is_number(value) and isinstance(value, int) and value >= 0),
+                f"{field} must be None or an integer >= 0",
+                self,
+            )
         _check(
             self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**64),
             "seed must be an integer in [0, 2**64)",

@@ -370,6 +370,27 @@ def test_logprobs_are_the_models_own_and_change_no_token(tiny, prompts, plain_sa
                 torch.testing.assert_close(torch.tensor([v for _, v in lp.top]), values)
 
 
+@pytest.mark.parametrize("runner", ["auto", "transformers"])
+def test_prompt_logprobs_are_the_models_own_across_prefill_chunks(tiny, prompts, runner, monkeypatch):
+    monkeypatch.setattr("reader_spec.engine.runner.PREFILL_CHUNK", 7)
+    engine = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS, runner=runner, max_batch_size=2)
+    config = replace(NO_EOS, max_new_tokens=5, prompt_logprobs=2)
+    first, again = engine.generate([prompts[0], prompts[0]], [NO_EOS, config], batch_size=1)
+    (single,) = engine.generate([[prompts[1][0]]], config)
+    assert single.prompt_logprobs == [None] and first.prompt_logprobs is None
+    assert again.stats.cached_tokens == 0  # the prompt was in the cache: prefilled again for its logits
+    assert again.tokens == first.tokens[:5]
+    logprobs = again.prompt_logprobs
+    assert len(prompts[0]) > 14 and len(logprobs) == len(prompts[0]) and logprobs[0] is None
+    expected = reference_logprobs(tiny, prompts[0][:1], prompts[0][1:])
+    assert [lp.token for lp in logprobs[1:]] == prompts[0][1:]
+    torch.testing.assert_close(
+        torch.tensor([lp.logprob for lp in logprobs[1:]]),
+        expected.gather(1, torch.tensor(prompts[0][1:])[:, None])[:, 0],
+    )
+    assert [[t for t, _ in lp.top] for lp in logprobs[1:]] == expected.topk(2).indices.tolist()
+
+
 def test_logprobs_stream_with_their_tokens(tiny, prompts):
     engine = Engine(tiny, ReaderDrafter(), costs=FLAT_COSTS, max_batch_size=2)
     keys = [engine.add_request(p, replace(NO_EOS, logprobs=2)) for p in prompts[:3]]

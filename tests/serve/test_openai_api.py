@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
+import torch
 
 from reader_spec.config import GenerationConfig
 from tests.serve.conftest import MODEL, make_engine
@@ -162,6 +163,56 @@ def test_a_logit_bias_reaches_the_engine(client, reference, tiny, kind):
 
     assert text_of(biased, kind) == expected.text != plain.text
     assert plain.tokens[0] not in expected.tokens
+
+
+def test_echo_with_logprobs_scores_several_prompts_as_lm_eval_asks(client, reference, tiny):
+    """lm-eval's loglikelihood request: token-id prompts in one request, ``echo``, ``logprobs``,
+    ``max_tokens=1``; each prompt token's log-probability is the model's, the first one's None."""
+    prompts = [reference.encode("w30 w31 w32 w33"), reference.encode("w20 w21 w22 w20 w21")]
+    whole = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=1, temperature=0, logprobs=2, echo=True
+    )
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompts, max_tokens=1, temperature=0, logprobs=2, echo=True, stream=True
+        )
+    )
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert whole.usage.prompt_tokens == sum(len(p) for p in prompts)
+    for choice, prompt in zip(whole.choices, prompts, strict=True):
+        (expected,) = reference.generate([prompt], replace(generation_config(1), logprobs=2))
+        logprobs = choice.logprobs
+        assert choice.text == tiny.tokenizer.decode(prompt, skip_special_tokens=True) + expected.text
+        assert len(logprobs.tokens) == len(prompt) + 1
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        scores = torch.log_softmax(tiny.model(torch.tensor([prompt])).logits[0, :-1].float(), dim=-1)
+        in_prompt = scores.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+        assert logprobs.token_logprobs[1:-1] == [approx(v) for v in in_prompt]
+        assert logprobs.token_logprobs[-1] == approx(expected.logprobs[0].logprob)
+        assert all(len(top) == 2 for top in logprobs.top_logprobs[1:])
+        streamed = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(c.text for c in streamed) == choice.text
+        assert [t for c in streamed if c.logprobs for t in c.logprobs.tokens] == logprobs.tokens
+
+
+@pytest.mark.parametrize("kind", ["whole", "streamed"])
+def test_several_prompts_with_n_choices_each(client, reference, kind):
+    prompts = [TEXT, "w30 w31 w32"]
+    params = {"max_tokens": 8, "temperature": 0.9, "seed": 3, "n": 2, "echo": kind == "whole"}
+    texts = ["", "", "", ""]
+    if kind == "whole":
+        reply = client.completions.create(model=MODEL, prompt=prompts, **params)
+        for choice in reply.choices:
+            texts[choice.index] = choice.text
+    else:
+        for chunk in client.completions.create(model=MODEL, prompt=prompts, stream=True, **params):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+    for index, text in enumerate(texts):
+        prompt = prompts[index // 2]
+        config = generation_config(8, temperature=0.9, seed=3 + index % 2)
+        expected = reference.generate([prompt], config)[0].text
+        assert text == (prompt + expected if kind == "whole" else expected)
 
 
 def choice_texts(response, kind) -> list[str]:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+import torch
 from tqdm import tqdm
 
 from reader_spec.budget.allocation import allocate, seconds_saved
@@ -71,6 +72,8 @@ class Update:
     output: Output | None = None
     new_logprobs: list[TokenLogprob] | None = None
     """The new tokens' log-probabilities, where the request asked for them."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """The prompt's, in the request's first update, where it asked for them."""
 
 
 class Engine:
@@ -259,7 +262,10 @@ class Engine:
             new_logprobs = None
             if seq.top_logprobs is not None:
                 new_logprobs = seq.logprobs[before - seq.prompt_length :]
-            updates.append(Update(seq.key, seq.request_id, seq.tokens[before:], output, new_logprobs))
+            prompt_logprobs = seq.prompt_logprobs if before == seq.prompt_length else None
+            updates.append(
+                Update(seq.key, seq.request_id, seq.tokens[before:], output, new_logprobs, prompt_logprobs)
+            )
         return updates
 
     def cancel(self, key: int) -> bool:
@@ -429,6 +435,8 @@ class Engine:
         started = time.perf_counter()
         row, request = admission.row, admission.request
         tokens, config = request.tokens, request.config
+        # Prompt log-probabilities come from the prefill's logits: none of the prompt is reused.
+        reused = admission.reused if config.prompt_logprobs is None else 0
         seq = DecodingSequence(
             request_id=request.request_id,
             key=request.key,
@@ -437,15 +445,18 @@ class Engine:
             prompt_length=len(tokens),
             stop=self._stop_criteria(config, len(tokens)),
             rule=rule_for(config, len(tokens)),
-            stats=RequestStats(prompt_tokens=len(tokens), cached_tokens=admission.reused),
+            stats=RequestStats(prompt_tokens=len(tokens), cached_tokens=reused),
             started=started,
             top_logprobs=config.logprobs,
         )
+        on_logits = None
+        if config.prompt_logprobs is not None:
+            on_logits = _prompt_logprobs_collector(seq, config.prompt_logprobs)
         # The last prompt token is the first root: prefill everything before it, so every later
         # step, this first one included, verifies a tree rooted at the pending token.
-        if admission.source is not None:
-            runner.cache.copy_row(admission.source, row, admission.reused)
-        runner.prefill(row, tokens[:-1], admission.reused)
+        if admission.source is not None and reused:
+            runner.cache.copy_row(admission.source, row, reused)
+        runner.prefill(row, tokens[:-1], reused, on_logits)
         self._synchronize()
         seq.stats.prefill_seconds = time.perf_counter() - started
         if self.drafter is not None:
@@ -529,6 +540,19 @@ def _per_request(
     if not all(isinstance(c, GenerationConfig) for c in configs):
         raise TypeError("config must be a GenerationConfig or a sequence of them")
     return configs
+
+
+def _prompt_logprobs_collector(seq: DecodingSequence, top: int) -> Callable[[int, torch.Tensor], None]:
+    """A prefill's callback that fills ``seq.prompt_logprobs`` chunk by chunk: the logits at prompt
+    position i predict token i + 1."""
+    prompt = seq.tokens[: seq.prompt_length]
+    seq.prompt_logprobs = [None]
+
+    def collect(start: int, logits: torch.Tensor) -> None:
+        following = prompt[start + 1 : start + 1 + len(logits)]
+        seq.prompt_logprobs += token_logprobs(logits, range(len(following)), following, top)
+
+    return collect
 
 
 def model_eos_ids(model, tokenizer) -> tuple[int, ...]:

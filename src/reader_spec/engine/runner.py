@@ -251,19 +251,30 @@ class ModelRunner:
             self.cache.lengths[0] = 0
 
     @torch.inference_mode()
-    def prefill(self, row: int, tokens: Sequence[int], reused: int = 0) -> None:
+    def prefill(
+        self,
+        row: int,
+        tokens: Sequence[int],
+        reused: int = 0,
+        on_logits: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> None:
         """Fill a cache row with a prompt, in chunks, past its first ``reused`` tokens (which the row
-        already holds: a prefix an earlier request left there). No logits: the engine prefills all but
-        the last prompt token, which is the root of the first verified tree."""
+        already holds: a prefix an earlier request left there). The engine prefills all but the last
+        prompt token, which is the root of the first verified tree, and needs no logits, unless a
+        request asks for its prompt's log-probabilities: then ``on_logits(start, logits)`` gets each
+        chunk's logits, ``[chunk tokens, vocab]``, a chunk at a time."""
         if not 0 <= reused <= min(len(tokens), int(self.cache.capacity)):
             raise ValueError(f"cannot reuse {reused} tokens of a {len(tokens)}-token prefill")
         self.cache.lengths[row] = reused
+        keep = None if on_logits is not None else NO_LOGITS
         for start in range(reused, len(tokens), PREFILL_CHUNK):
             chunk = torch.tensor(tokens[start : start + PREFILL_CHUNK], device="cpu")
             n = chunk.shape[0]
             causal = torch.ones(n, n, dtype=torch.bool, device="cpu").tril_()
-            self._forward([row], chunk, start + torch.arange(n, device="cpu"), [causal], keep=NO_LOGITS)
+            states = self._forward([row], chunk, start + torch.arange(n, device="cpu"), [causal], keep)
             self.cache.lengths[row] = start + n
+            if on_logits is not None:
+                on_logits(start, self._outputs(states, [n], [False], None)[0])
 
     def _forward(
         self, rows: list[int], input_ids, positions, local_masks, keep: torch.Tensor | None

@@ -94,6 +94,9 @@ class Output:
     stats: RequestStats
     logprobs: list[TokenLogprob] | None = None
     """One per token of ``tokens`` where the request asked for them (``GenerationConfig.logprobs``)."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """One per prompt token, None for the first (nothing predicts it), where the request asked for
+    them (``GenerationConfig.prompt_logprobs``)."""
 
 
 @dataclass
@@ -119,6 +122,8 @@ class Sequence:
     tokens (None: no log-probabilities)."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """One per generated token, where ``top_logprobs`` asks for them."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """Filled at prefill where the request asks for them."""
 
     @property
     def generated(self) -> list[int]:
@@ -132,4 +137,5 @@ class Sequence:
             finish_reason=self.finish_reason,
             stats=self.stats,
             logprobs=self.logprobs if self.top_logprobs is not None else None,
+            prompt_logprobs=self.prompt_logprobs,
         )

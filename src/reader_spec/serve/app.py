@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from reader_spec.config import GenerationConfig
 from reader_spec.engine.loop import Update
 from reader_spec.prompts import PromptError
 from reader_spec.serve.logprobs import LogprobWriter
@@ -114,10 +115,19 @@ def create_app(service: EngineService, settings: ServerSettings) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model, settings)
         body.check_supported()
-        tokens = _encode(service, body.prompt, "prompt")
+        prompts = body.prompts()
+        encoded = [_encode(service, prompt, "prompt") for prompt in prompts]
         requested = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
-        config = _checked(service, body.generation_config(_max_new_tokens(service, tokens, requested)))
-        return await respond(body, request, tokens, config, chat=False)
+        configs = [
+            _checked(service, body.generation_config(_max_new_tokens(service, tokens, requested)))
+            for tokens in encoded
+        ]
+        echoes = None
+        if body.echo:  # the prompt as given; token ids as their text
+            echoes = [
+                p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=True) for p in prompts
+            ]
+        return await respond(body, request, encoded, configs, chat=False, echoes=echoes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -128,14 +138,23 @@ def create_app(service: EngineService, settings: ServerSettings) -> FastAPI:
         limit = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         limited = _max_new_tokens(service, tokens, body.requested_tokens(), limit)
         config = _checked(service, body.generation_config(limited))
-        return await respond(body, request, tokens, config, chat=True)
+        return await respond(body, request, [tokens], [config], chat=True)
 
-    async def respond(body, request: Request, tokens: list[int], config, chat: bool):
-        """Queue the request's choices, then stream the reply or wait for the whole of it."""
-        streams = _submit(service, tokens, choice_configs(config, body.n))
-        choices = [_Choice(i, stream, service, tokenizer, config, tokens) for i, stream in enumerate(streams)]
+    async def respond(body, request: Request, prompts, configs, chat: bool, echoes=None):
+        """Queue the choices of every prompt (``n`` each, in order), then stream the reply or wait
+        for the whole of it."""
+        jobs = [
+            (p, tokens, choice)
+            for p, (tokens, config) in enumerate(zip(prompts, configs, strict=True))
+            for choice in choice_configs(config, body.n)
+        ]
+        streams = _submit(service, [(tokens, config) for _, tokens, config in jobs])
+        choices = [
+            _Choice(index, stream, service, tokenizer, config, tokens, echoes[p] if echoes else None)
+            for index, (stream, (p, tokens, config)) in enumerate(zip(streams, jobs, strict=True))
+        ]
         prefix, kind = ("chatcmpl", "chat.completion") if chat else ("cmpl", "text_completion")
-        reply = _Reply(prefix, kind, settings.model_name, choices)
+        reply = _Reply(prefix, kind, settings.model_name, choices, body.n)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return _sse(reply.stream_chat(include_usage) if chat else reply.stream_completion(include_usage))
@@ -191,11 +210,11 @@ def _max_new_tokens(
     return requested
 
 
-def _submit(service: EngineService, tokens: list[int], configs: list) -> list[Stream]:
-    """One engine request per choice; all of them or none."""
+def _submit(service: EngineService, jobs: list[tuple[list[int], GenerationConfig]]) -> list[Stream]:
+    """One engine request per choice (its prompt's tokens and its settings); all of them or none."""
     streams: list[Stream] = []
     try:
-        for config in configs:
+        for tokens, config in jobs:
             streams.append(service.submit(tokens, config))
     except (QueueFull, ShuttingDown) as error:
         for stream in streams:
@@ -273,12 +292,15 @@ class _Guard:
 
 # --- replies ---------------------------------------------------------------------------------------------
 class _Choice:
-    """One choice's updates: its tokens so far, the text already sent, and its log-probabilities'
-    writer where the request asked for them."""
+    """One choice's updates: its tokens so far, the text already sent, the prompt it echoes, and its
+    log-probabilities' writer where the request asked for them."""
 
-    def __init__(self, index: int, stream: Stream, service: EngineService, tokenizer, config, prompt):
+    def __init__(self, index: int, stream: Stream, service: EngineService, tokenizer, config, prompt, echo):
         self.index, self.stream, self.service, self.tokenizer = index, stream, service, tokenizer
-        self.logprobs = LogprobWriter(tokenizer, prompt) if config.logprobs is not None else None
+        self.prompt, self.echo, self.echoed = prompt, echo, False
+        self.logprobs = None
+        if config.logprobs is not None:  # an echo's log-probabilities start at the prompt's first token
+            self.logprobs = LogprobWriter(tokenizer, [] if echo is not None else prompt)
         self.hold_back = max((len(s) for s in config.stop_strings), default=1) - 1
         self.tokens: list[int] = []
         self.cached_tokens = 0
@@ -321,12 +343,26 @@ class _Choice:
         new, self.sent = text[len(self.sent) :], text
         return new
 
-    def logprobs_field(self, logprobs, chat: bool) -> dict | None:
-        """The response's ``logprobs`` for these tokens (None where the request did not ask, or no
-        token came)."""
-        if self.logprobs is None or not logprobs:
+    def completion_delta(self, update: Update) -> str:
+        """:meth:`delta`, after the echoed prompt in the first one."""
+        text = self.delta(update)
+        if self.echo is not None and not self.echoed:
+            text, self.echoed = self.echo + text, True
+        return text
+
+    def logprobs_field(self, logprobs, chat: bool, prompt_logprobs=None) -> dict | None:
+        """The response's ``logprobs`` for these tokens, after the echoed prompt's where given (None
+        where the request did not ask, or no token came)."""
+        if self.logprobs is None:
             return None
-        return self.logprobs.chat(logprobs) if chat else self.logprobs.completion(logprobs)
+        if chat:
+            return self.logprobs.chat(logprobs) if logprobs else None
+        tokens, values = [], []
+        if prompt_logprobs is not None:
+            tokens, values = list(self.prompt), list(prompt_logprobs)
+        if logprobs:
+            tokens, values = tokens + [lp.token for lp in logprobs], values + list(logprobs)
+        return self.logprobs.completion(tokens, values) if tokens else None
 
     async def output(self):
         output = None
@@ -338,21 +374,24 @@ class _Choice:
 class _Reply:
     """Turns a request's choices' updates into OpenAI response objects, streamed or whole."""
 
-    def __init__(self, prefix, kind, model, choices: list[_Choice]):
+    def __init__(self, prefix, kind, model, choices: list[_Choice], n: int):
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.kind, self.model, self.created = kind, model, int(time.time())
-        self.choices = choices
+        self.choices, self.n = choices, n
+        """Every prompt's ``n`` choices, one prompt after the other."""
 
     def usage(self) -> dict:
-        """The prompt counted once, as OpenAI counts it for ``n`` choices; its cached tokens those
-        every choice found."""
+        """Each prompt counted once, as OpenAI counts it for ``n`` choices, and its cached tokens those
+        every choice of it found."""
         completion = sum(len(choice.tokens) for choice in self.choices)
-        prompt = self.choices[0].stream.prompt_tokens
+        groups = [self.choices[i : i + self.n] for i in range(0, len(self.choices), self.n)]
+        prompt = sum(group[0].stream.prompt_tokens for group in groups)
+        cached = sum(min(c.cached_tokens for c in group) for group in groups)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": min(c.cached_tokens for c in self.choices)},
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     def chunk(self, choice: dict) -> dict:
@@ -379,7 +418,7 @@ class _Reply:
         choices = []
         for choice, output in zip(self.choices, collect.result(), strict=True):
             reason = finish_reason(output.finish_reason)
-            logprobs = choice.logprobs_field(output.logprobs, chat)
+            logprobs = choice.logprobs_field(output.logprobs, chat, output.prompt_logprobs)
             if chat:
                 message = {"role": "assistant", "content": output.text}
                 choices.append(
@@ -389,7 +428,7 @@ class _Reply:
                 choices.append(
                     {
                         "index": choice.index,
-                        "text": output.text,
+                        "text": output.text if choice.echo is None else choice.echo + output.text,
                         "logprobs": logprobs,
                         "finish_reason": reason,
                     }
@@ -399,9 +438,9 @@ class _Reply:
 
     async def stream_completion(self, include_usage: bool) -> AsyncIterator[dict]:
         async for choice, update in self._updates():
-            text = choice.delta(update)
+            text = choice.completion_delta(update)
             reason = finish_reason(update.output.finish_reason) if update.output is not None else None
-            logprobs = choice.logprobs_field(update.new_logprobs, chat=False)
+            logprobs = choice.logprobs_field(update.new_logprobs, False, update.prompt_logprobs)
             if text or reason or logprobs:
                 yield self.chunk(
                     {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": reason}

@@ -37,18 +37,22 @@ def _shared(base: str, text: str) -> int:
 class LogprobWriter:
     """One choice's tokens' log-probabilities as response fields, chunk after chunk."""
 
-    def __init__(self, tokenizer, prompt: Sequence[int]):
+    def __init__(self, tokenizer, before: Sequence[int]):
         self.tokenizer = tokenizer
-        self.text: list[int] = list(prompt[-CONTEXT_TOKENS:])
+        self.text: list[int] = list(before[-CONTEXT_TOKENS:])
+        """The last tokens written (or the prompt's, before the first): what the next token follows."""
         self.offset = 0
         """Where the next token's text starts in the completion (the legacy ``text_offset``)."""
 
-    def _entries(self, logprobs: Sequence[TokenLogprob]) -> list[tuple[TokenLogprob, str, list[str]]]:
+    def _entries(
+        self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob | None]
+    ) -> list[tuple[TokenLogprob | None, str, list[str]]]:
         entries = []
-        for logprob in logprobs:
-            texts = pieces(self.tokenizer, self.text, [logprob.token] + [t for t, _ in logprob.top])
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            alternatives = [t for t, _ in logprob.top] if logprob is not None else []
+            texts = pieces(self.tokenizer, self.text, [token, *alternatives])
             entries.append((logprob, texts[0], texts[1:]))
-            self.text = [*self.text[1 - CONTEXT_TOKENS :], logprob.token]
+            self.text = [*self.text[1 - CONTEXT_TOKENS :], token]
         return entries
 
     def chat(self, logprobs: Sequence[TokenLogprob]) -> dict:
@@ -58,21 +62,26 @@ class LogprobWriter:
                 **_token(text, logprob.logprob),
                 "top_logprobs": [_token(t, p) for t, (_, p) in zip(top, logprob.top, strict=True)],
             }
-            for logprob, text, top in self._entries(logprobs)
+            for logprob, text, top in self._entries([lp.token for lp in logprobs], logprobs)
         ]
         return {"content": content, "refusal": None}
 
-    def completion(self, logprobs: Sequence[TokenLogprob]) -> dict:
-        """The legacy completions' ``logprobs`` object for these tokens."""
+    def completion(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob | None]) -> dict:
+        """The legacy completions' ``logprobs`` object for these tokens (None for an echoed prompt's
+        first token, which nothing predicts)."""
         fields: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for logprob, text, top in self._entries(logprobs):
+        for logprob, text, top in self._entries(tokens, logprobs):
             fields["tokens"].append(text)
+            fields["text_offset"].append(self.offset)
+            self.offset += len(text)
+            if logprob is None:
+                fields["token_logprobs"].append(None)
+                fields["top_logprobs"].append(None)
+                continue
             fields["token_logprobs"].append(max(logprob.logprob, FLOOR))
             fields["top_logprobs"].append(
                 {t: max(p, FLOOR) for t, (_, p) in zip(top, logprob.top, strict=True)}
             )
-            fields["text_offset"].append(self.offset)
-            self.offset += len(text)
         return fields
 
 

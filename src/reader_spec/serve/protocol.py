@@ -35,7 +35,6 @@ default for both endpoints)."""
 
 UNSUPPORTED_DEFAULTS: dict[str, Any] = {
     "best_of": 1,
-    "echo": False,
     "suffix": None,
     "tools": None,
     "tool_choice": None,
@@ -112,10 +111,6 @@ class _Request(BaseModel):
             if name in extra and extra[name] not in (default, None):
                 raise OpenAIError(400, f"{name}={extra[name]!r} is not supported by this server", name)
 
-    def requested_logprobs(self) -> int | None:
-        """How many likeliest tokens to return at each position; None: no log-probabilities."""
-        raise NotImplementedError
-
     def generation_config(self, max_new_tokens: int) -> GenerationConfig:
         """The engine's settings; raises ``OpenAIError`` naming the field that is out of range."""
         settings = {
@@ -133,7 +128,6 @@ class _Request(BaseModel):
             return GenerationConfig(
                 max_new_tokens=max_new_tokens,
                 stop_strings=tuple(self.stop or ()),
-                logprobs=self.requested_logprobs(),
                 **settings,
             )
         except ValueError as e:
@@ -142,27 +136,38 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: StrictStr | list[StrictInt] | list[StrictStr]
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
+    echo: StrictBool = False
 
     @field_validator("logprobs")
     @classmethod
     def _top(cls, logprobs):
         return _top_logprobs("logprobs", logprobs)
 
-    def requested_logprobs(self) -> int | None:
-        return self.logprobs
+    def generation_config(self, max_new_tokens: int) -> GenerationConfig:
+        """With ``echo`` the log-probabilities cover the prompt too."""
+        config = super().generation_config(max_new_tokens)
+        return replace(config, logprobs=self.logprobs, prompt_logprobs=self.logprobs if self.echo else None)
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise ValueError("one prompt per request: a list of strings must hold exactly one")
-            prompt = prompt[0]
-        if not prompt:
+    def _prompts_not_empty(cls, prompt):
+        many = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+        if not prompt or (many and not all(prompt)):
             raise ValueError("the prompt is empty")
         return prompt
+
+    @model_validator(mode="after")
+    def _choices_in_all(self):
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise ValueError(f"prompts times n must be at most {MAX_CHOICES}")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: a string or token ids, or a list of either (a choice each, in order)."""
+        many = isinstance(self.prompt, list) and isinstance(self.prompt[0], str | list)
+        return list(self.prompt) if many else [self.prompt]
 
 
 class ChatMessage(BaseModel):
@@ -189,8 +194,9 @@ class ChatCompletionRequest(_Request):
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
 
-    def requested_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
+    def generation_config(self, max_new_tokens: int) -> GenerationConfig:
+        config = super().generation_config(max_new_tokens)
+        return replace(config, logprobs=(self.top_logprobs or 0) if self.logprobs else None)
 
     @field_validator("messages")
     @classmethod
