@@ -128,7 +128,7 @@ def test_logprobs_are_listed_with_json_and_summed_up_in_text(capsys, tiny_llama_
         (["--top-p", "0"], "top_p must lie in (0, 1]"),
         (["--logprobs", "-1"], "logprobs must be None or an integer >= 0"),
         (["--logit-bias", "5=-101"], "logit_bias values must lie in [-100, 100]"),
-        (["--logit-bias", "96=-100"], "outside the vocabulary"),
+        (["--logit-bias", "96=-100"], "request 0: logit_bias names token 96, outside the vocabulary"),
     ],
 )
 def test_invalid_sampling_settings_are_one_line_errors(capsys, tiny_llama_dir, argv, message):
@@ -138,14 +138,17 @@ def test_invalid_sampling_settings_are_one_line_errors(capsys, tiny_llama_dir, a
 
 def test_a_logit_bias_from_the_command_line_or_an_input_line(capsys, tiny_llama_dir, tmp_path):
     argv = ["generate", "--model", str(tiny_llama_dir), "--max-new-tokens", "8", "--json"]
-    _, out, _ = run(capsys, *argv, "--prompt", "w5 w6 w7 w5")
+    code, _, err = run(capsys, *argv, "--prompt", "w5", "--logit-bias", "96=-100")
+    assert code == 2 and "outside the vocabulary" in err
+    assert not (tmp_path / "cache" / "costs").exists()  # refused before any measurement
+    _, out, _ = run(capsys, *argv, "--prompt", "w5 w6 w7 w5", "--drafter", "none")
     first = json.loads(out)["requests"][0]["tokens"][0]
     _, out, _ = run(capsys, *argv, "--prompt", "w5 w6 w7 w5", "--logit-bias", f"{first}=-100", "--compare")
     (request,) = json.loads(out)["requests"]
     assert first not in request["tokens"] and request["tokens"] == request["baseline"]["tokens"]
     path = tmp_path / "in.jsonl"
     path.write_text(json.dumps({"prompt": "w5 w6 w7 w5", "logit_bias": {str(first): -100}}) + "\n")
-    _, out, _ = run(capsys, *argv, "--input", str(path))
+    _, out, _ = run(capsys, *argv, "--input", str(path), "--drafter", "none")
     assert json.loads(out)["requests"][0]["tokens"] == request["tokens"]
     with pytest.raises(SystemExit, match="2"):
         main([*argv, "--prompt", "w5", "--logit-bias", "5:-100"])

@@ -77,6 +77,11 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_target(args)
     engine = build_engine(args, loaded, max_batch_size=args.batch_size)
     prompts = [engine.encode(r.prompt) for r in records]  # bad prompts fail before any model work
+    for record, request_config in zip(records, config, strict=True):
+        try:
+            engine.check_config(request_config)
+        except ValueError as e:
+            raise PromptError(f"request {record.id!r}: {e}") from None
     ids = [r.id for r in records]
     engine.warm_up(args.batch_size)
 
