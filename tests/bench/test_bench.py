@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 import reader_spec.bench.runner as bench
 from reader_spec.bench.methods import METHODS, BenchSetup, Generation, MethodSpec, engine_method, generate
@@ -14,6 +15,7 @@ from reader_spec.bench.results import (
     BatchResult,
     PromptResult,
     batch_speedup,
+    markdown,
     pooled_mean_accepted,
     question_speed,
     source_shares,
@@ -406,6 +408,9 @@ def test_saved_files(report, tmp_path):
     payload = json.loads((tmp_path / "out" / "results.json").read_text())
     assert {"cpu", "cores", "torch", "transformers", "model", "commit", "date"} <= set(payload["environment"])
     assert payload["environment"]["compiled_kernels"] is True  # make builds them on this machine
+    assert payload["environment"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    results_md = (tmp_path / "out" / "results.md").read_text()
+    assert f"{payload['environment']['cpu_capability']}), " in results_md  # which host, in every file
     assert payload["environment"]["forward"] == forward_fingerprint()
     assert len(payload["prompts"]) == TURNS * 4 and "accept_lengths" in payload["prompts"][0]
     assert {"speedup", "mean_accepted", "identical", "peak_rss_mib"} <= set(payload["summary"][0])
@@ -478,3 +483,16 @@ def test_engine_methods_pack_a_copy_and_ar_transformers_runs_the_model_as_loaded
     assert report.environment["runner"] == {"ar": "fast", "ar-transformers": "transformers", "reader": "fast"}
     assert not any(isinstance(m, PackedLinear) for m in loaded.model.modules())  # hf's model untouched
     assert all(p.identical for p in report.prompts)
+
+
+def test_results_name_the_processor_by_family_and_model(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    processor = "vendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n"
+    cpuinfo.write_text(processor * 2)  # one block per logical CPU
+    assert bench._cpu_id(cpuinfo) == "family 23 model 1"
+    cpuinfo.write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")  # no family on this architecture
+    assert bench._cpu_id(cpuinfo) == ""
+    environment = {"cpu": "AMD EPYC", "cpu_id": "family 23 model 1", "cpu_capability": "AVX2", "threads": 2}
+    assert "AMD EPYC (family 23 model 1, AVX2), 2 threads" in markdown(environment, {}, [], [])
+    environment |= {"cpu_id": "", "cpu_capability": None}  # results written before either was recorded
+    assert "AMD EPYC, 2 threads" in markdown(environment, {}, [], [])

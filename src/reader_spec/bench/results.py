@@ -196,12 +196,18 @@ def _header(environment: dict, settings: dict, prompts: Sequence[PromptResult]) 
         f"{len(questions)} questions ({settings.get('prompts', len(questions))} prompts, second turns "
         f"included) in {len(settings.get('categories', []))} categories; greedy, "
         f"{settings.get('max_new_tokens')} new tokens, {settings.get('repeats')} repeat(s). "
-        f"{environment.get('cpu', '?')}, {environment.get('threads', '?')} threads"
+        f"{_processor(environment)}, {environment.get('threads', '?')} threads"
         f"{_accelerator(environment)}; "
         f"{environment.get('dtype', '?')}; torch "
         f"{environment.get('torch', '?')}, transformers {environment.get('transformers', '?')}; "
         f"commit {environment.get('commit') or '?'}, {environment.get('date', '?')}."
     )
+
+
+def _processor(environment: dict) -> str:
+    """The CPU's name, with its family and model and the vector instructions torch uses where known."""
+    details = [d for d in (environment.get("cpu_id"), environment.get("cpu_capability")) if d]
+    return str(environment.get("cpu", "?")) + (f" ({', '.join(details)})" if details else "")
 
 
 def _accelerator(environment: dict) -> str:

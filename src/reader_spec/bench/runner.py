@@ -428,6 +428,8 @@ def _peak_rss_mib() -> float:
 def environment(loaded: LoadedModel, draft: LoadedModel | None = None) -> dict:
     return {
         "cpu": _cpu_model(),
+        "cpu_id": _cpu_id(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "platform": platform.platform(),
@@ -453,6 +455,19 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _cpu_id(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """Family and model numbers: under a hypervisor the model name is often just the vendor's line
+    ("AMD EPYC"), which names hosts a generation and half the matrix rate apart alike."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return ""
+    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in lines)}
+    if "cpu family" not in fields or "model" not in fields:
+        return ""
+    return f"family {fields['cpu family']} model {fields['model']}"
 
 
 def _git_commit() -> str:
