@@ -44,7 +44,7 @@ constexpr int kWholeBlockRows = kMaxRows;
 #else
 // AVX2 (16 ymm registers, each Vec16 two of them): a whole block holds 3 rows of sums (12 registers
 // and the weights, reloaded for every row); a product of more than kStreamRows rows takes one half of
-// each block at a time instead (half_block_chunk), up to 6 rows of 16 sums, each weight loaded once
+// each block at a time instead (half_blocks), up to 6 rows of 16 sums, each weight loaded once
 // for all rows.
 constexpr int kMaxRows = 6;
 constexpr int kStreamTileRows = 3;
@@ -113,105 +113,91 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const flo
 }
 
 #if !defined(__AVX512F__) && defined(__AVX__)
-// A product of more than kStreamRows rows on AVX2 (interleaved_block): its tiles take turns over each
-// chunk of kChunk k of a block (8 KB, read again from L1 by every tile), each tile one half of the
-// block's columns at a time, and requests the product's next chunk a line at a time, spread evenly
-// over the chunk's multiply-adds of all tiles. So memory is read at the pace of the arithmetic all
-// the time, not by the first tile of a block alone: the next block requested in bursts while the other
-// tiles multiply from L2 left most requested lines to arrive late (a Zen 3 host: a core requests about
-// 14 GB/s when its requests are spread, far less in bursts; the default model's layer products 15-25%
-// faster at 8-16 rows, 9-14% at 20-32; docs/runner.md). These products make their own requests: the
-// caller's `ahead` does not apply.
-constexpr int64_t kChunk = 64;
+// A product of more than kStreamRows rows on AVX2 (half_blocks): its tiles take turns over one half of
+// the block's columns at a time, each over all of k with its sums in registers, reading the half from
+// L2 (the block's first tile from memory), while every multiply-add step requests the next line of the
+// thread's next block, spread evenly over the block's steps of all tiles. So memory is read at the pace
+// of the arithmetic all the time, not by the first tile of a block alone: the next block requested in
+// bursts while the other tiles multiply from L2 left most requested lines to arrive late (a Zen 3
+// host: a core requests about 14 GB/s when its requests are spread, far less in bursts; the default
+// model's layer products 15-25% faster at 8-16 rows, 9-14% at 20-32; docs/runner.md). Tiles that took
+// turns over chunks of 64 k instead (8 KB, read again from L1) stored and reloaded their sums at every
+// chunk and ran 10-14% slower at 12-32 rows on a Zen 1 host (docs/runner.md, "Session 60"). These
+// products make their own requests: the caller's `ahead` does not apply.
 constexpr int kHalf = kBlock / 2;
 
-// One tile's sums between chunks: [half][row][8 columns], for up to kMaxRows rows.
-struct HalfBlockSums {
-  reader_spec::FloatPart part[2][kMaxRows][2];
-};
-
-// Lines of the product's next chunk, requested one every (65536 / step) multiply-add steps of the
-// chunk: line (step x i) / 65536 at the chunk's i-th step, counted over all its tiles and halves.
-struct ChunkRequests {
-  const char* bytes;
+// The next block's lines, one requested every (65536 / step) multiply-add steps: line (step x i) / 65536
+// at the block's i-th step, counted over all its tiles and halves.
+struct LineRequests {
+  const char* bytes;  // nullptr: nothing to request (the thread's last block)
   int64_t step;
-  int64_t first;  // the count of this tile's first step
+  int64_t first;  // the count of this tile's first step in this half
 };
 
-// R rows times one half-block after another, over k in [k_begin, k_end), added to `sums`: per k two
-// weight vectors, R broadcasts and 2R multiply-adds (12 sums + 2 weights + 1 broadcast of the 16
-// registers at 6 rows). Each column's sum is the same sequence of operations as in `tile`, whichever
-// chunks and tiles it is cut into.
+// R rows times one half-block (`count` of its 16 columns exist), plus bias: per k two weight vectors,
+// R broadcasts and 2R multiply-adds (12 sums + 2 weights + 1 broadcast of the 16 registers at 6 rows).
+// Each column's sum is the same sequence of operations as in `tile`.
 template <int R>
-void half_block_chunk(const float* x, int64_t ldx, const float* w, int64_t k_begin, int64_t k_end, int halves,
-                      HalfBlockSums& held, const ChunkRequests& requests) {
+void half_block(const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y, int64_t ldy,
+                int64_t count, const LineRequests& requests) {
   using reader_spec::FloatPart;
   constexpr int kPart = kHalf / 2;
-  for (int half = 0; half < halves; ++half) {
-    FloatPart sums[R][2];
-    std::memcpy(sums, held.part[half], sizeof(sums));
-    const int64_t first = requests.first + half * (k_end - k_begin) - k_begin;
-    for (int64_t k = k_begin; k < k_end; ++k) {
-      __builtin_prefetch(requests.bytes + (((first + k) * requests.step) >> 16) * 64);
-      const float* w_k = w + half * kHalf + k * kBlock;
-      FloatPart low, high;
-      std::memcpy(&low, w_k, sizeof(low));
-      std::memcpy(&high, w_k + kPart, sizeof(high));
-      // Both in registers: for tiles of up to 4 rows GCC otherwise folds the loads into the
-      // multiply-adds, loading each weight R times, which made 4-row tiles about 1.4x slower from L1
-      // on a Zen 3 host (docs/runner.md, "Session 42"). An empty asm: no instruction, no change in result.
-      __asm__("" : "+x"(low), "+x"(high));
-      for (int r = 0; r < R; ++r) {
-        const float value = x[r * ldx + k];
-        sums[r][0] += value * low;
-        sums[r][1] += value * high;
-      }
+  FloatPart sums[R][2] = {};
+  for (int64_t k = 0; k < k_size; ++k) {
+    if (requests.bytes != nullptr) {
+      __builtin_prefetch(requests.bytes + (((requests.first + k) * requests.step) >> 16) * 64, 0, kNextBlockLocality);
     }
-    std::memcpy(held.part[half], sums, sizeof(sums));
+    const float* w_k = w + k * kBlock;
+    FloatPart low, high;
+    std::memcpy(&low, w_k, sizeof(low));
+    std::memcpy(&high, w_k + kPart, sizeof(high));
+    // Both in registers: for tiles of up to 4 rows GCC otherwise folds the loads into the
+    // multiply-adds, loading each weight R times, which made 4-row tiles about 1.4x slower from L1
+    // on a Zen 3 host (docs/runner.md, "Session 42"). An empty asm: no instruction, no change in result.
+    __asm__("" : "+x"(low), "+x"(high));
+    for (int r = 0; r < R; ++r) {
+      const float value = x[r * ldx + k];
+      sums[r][0] += value * low;
+      sums[r][1] += value * high;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float out[kHalf];
+    std::memcpy(out, sums[r], sizeof(out));
+    if (bias != nullptr) {
+      for (int64_t c = 0; c < count; ++c) out[c] += bias[c];  // after the sum, as in `tile`
+    }
+    std::memcpy(y + r * ldy, out, count * sizeof(float));
   }
 }
 
-// half_block_chunk for `rows` (at most kMaxRows) rows.
+// half_block for `rows` (at most kMaxRows) rows.
 template <int R = kMaxRows>
-void rows_chunk(int rows, const float* x, int64_t ldx, const float* w, int64_t k_begin, int64_t k_end, int halves,
-                HalfBlockSums& held, const ChunkRequests& requests) {
+void rows_half_block(int rows, const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y,
+                     int64_t ldy, int64_t count, const LineRequests& requests) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_chunk<R - 1>(rows, x, ldx, w, k_begin, k_end, halves, held, requests);
+    if (rows < R) return rows_half_block<R - 1>(rows, x, ldx, w, k_size, bias, y, ldy, count, requests);
   }
-  half_block_chunk<R>(x, ldx, w, k_begin, k_end, halves, held, requests);
+  half_block<R>(x, ldx, w, k_size, bias, y, ldy, count, requests);
 }
 
-// y = the tiles' rows x one block: every tile of [first_tile, last_tile) over each chunk in turn, the
-// next chunk (of this block, or the next block's first: blocks lie one after another) requested
-// meanwhile; then bias and output as in `tile`.
-void interleaved_block(const std::vector<int>& sizes, const std::vector<int64_t>& starts, int64_t first_tile,
-                       int64_t last_tile, const float* x_data, int64_t k_size, const float* w, const float* bias,
-                       float* y_data, int64_t ldy, int64_t columns, std::vector<HalfBlockSums>& held) {
+// y = the tiles' rows x one block, a half at a time, every tile of [first_tile, last_tile) over it in
+// turn (the half's lines stay in L1 and L2 between tiles), requesting `next_block` meanwhile.
+void half_blocks(const std::vector<int>& sizes, const std::vector<int64_t>& starts, int64_t first_tile,
+                 int64_t last_tile, const float* x_data, int64_t k_size, const float* w, const float* bias,
+                 float* y_data, int64_t ldy, int64_t columns, const char* next_block) {
   const int halves = columns > kHalf ? 2 : 1;
   const int64_t tiles = last_tile - first_tile;
-  held.assign(tiles, HalfBlockSums{});
-  for (int64_t chunk = 0; chunk < k_size; chunk += kChunk) {
-    const int64_t end = std::min(k_size, chunk + kChunk);
-    const int64_t steps_per_tile = halves * (end - chunk);
-    const int64_t lines = (end - chunk) * kBlock * static_cast<int64_t>(sizeof(float)) / 64;
-    ChunkRequests requests{reinterpret_cast<const char*>(w + end * kBlock), (lines << 16) / (steps_per_tile * tiles), 0};
+  const int64_t lines = k_size * kBlock * static_cast<int64_t>(sizeof(float)) / 64;
+  LineRequests requests{next_block, (lines << 16) / (halves * tiles * k_size), 0};
+  for (int half = 0; half < halves; ++half) {
+    const int64_t count = std::min<int64_t>(kHalf, columns - half * kHalf);
     for (int64_t t = 0; t < tiles; ++t) {
-      requests.first = t * steps_per_tile;
-      rows_chunk(sizes[first_tile + t], x_data + starts[first_tile + t] * k_size, k_size, w, chunk, end, halves, held[t],
-                 requests);
-    }
-  }
-  for (int64_t t = 0; t < tiles; ++t) {
-    for (int half = 0; half < halves; ++half) {
-      const int64_t count = std::min<int64_t>(kHalf, columns - half * kHalf);
-      for (int r = 0; r < sizes[first_tile + t]; ++r) {
-        float out[kHalf];
-        std::memcpy(out, held[t].part[half][r], sizeof(out));
-        if (bias != nullptr) {
-          for (int64_t c = 0; c < count; ++c) out[c] += bias[half * kHalf + c];  // after the sum, as in `tile`
-        }
-        std::memcpy(y_data + (starts[first_tile + t] + r) * ldy + half * kHalf, out, count * sizeof(float));
-      }
+      requests.first = (half * tiles + t) * k_size;
+      const int64_t start = starts[first_tile + t];
+      rows_half_block(sizes[first_tile + t], x_data + start * k_size, k_size, w + half * kHalf, k_size,
+                      bias == nullptr ? nullptr : bias + half * kHalf, y_data + start * ldy + half * kHalf, ldy, count,
+                      requests);
     }
   }
 }
@@ -277,9 +263,6 @@ void Product::multiply(int64_t begin, int64_t end) const {
   const int64_t tiles = static_cast<int64_t>(sizes_.size());
   const int64_t block_stride = k_size_ * kBlock;
   const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(float));
-#if !defined(__AVX512F__) && defined(__AVX__)
-  std::vector<HalfBlockSums> held;
-#endif
   for (int64_t first_tile = 0; first_tile < tiles; first_tile += tiles_per_share_) {
     const int64_t last_tile = std::min(tiles, first_tile + tiles_per_share_);
     const int64_t share_tiles = last_tile - first_tile;
@@ -288,8 +271,9 @@ void Product::multiply(int64_t begin, int64_t end) const {
       const float* bias = bias_ == nullptr ? nullptr : bias_ + column;
 #if !defined(__AVX512F__) && defined(__AVX__)
       if (rows_ > kStreamRows) {
-        interleaved_block(sizes_, starts_, first_tile, last_tile, x_, k_size_, w_ + b * block_stride, bias,
-                          y_ + column, out_features_, std::min(kBlock, out_features_ - column), held);
+        const char* next_block = b + 1 < end ? reinterpret_cast<const char*>(w_ + (b + 1) * block_stride) : nullptr;
+        half_blocks(sizes_, starts_, first_tile, last_tile, x_, k_size_, w_ + b * block_stride, bias, y_ + column,
+                    out_features_, std::min(kBlock, out_features_ - column), next_block);
         continue;
       }
 #endif
