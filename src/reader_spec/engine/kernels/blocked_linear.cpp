@@ -115,15 +115,17 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const flo
 #if !defined(__AVX512F__) && defined(__AVX__)
 // A product of more than kStreamRows rows on AVX2 (half_blocks): its tiles take turns over one half of
 // the block's columns at a time, each over all of k with its sums in registers, reading the half from
-// L2 (the block's first tile from memory), while every multiply-add step requests the next line of the
-// thread's next block, spread evenly over the block's steps of all tiles. So memory is read at the pace
+// L2 (the block's first tile from memory), while their multiply-add steps request the thread's next
+// block a line at a time, spread evenly over the block's steps of all tiles. So memory is read at the pace
 // of the arithmetic all the time, not by the first tile of a block alone: the next block requested in
 // bursts while the other tiles multiply from L2 left most requested lines to arrive late (a Zen 3
 // host: a core requests about 14 GB/s when its requests are spread, far less in bursts; the default
 // model's layer products 15-25% faster at 8-16 rows, 9-14% at 20-32; docs/runner.md). Tiles that took
 // turns over chunks of 64 k instead (8 KB, read again from L1) stored and reloaded their sums at every
-// chunk and ran 10-14% slower at 12-32 rows on a Zen 1 host (docs/runner.md, "Session 60"). These
-// products make their own requests: the caller's `ahead` does not apply.
+// chunk and ran 8-18% slower at 12-32 rows on a Zen 1 host (docs/runner.md, "Session 60"). A thread's
+// last block requests nothing: past it lie another thread's blocks, or the end of the matrix (a block's
+// worth of requests past the end made a product of 7 blocks 3.5x slower on that host). These products
+// make their own requests: the caller's `ahead` does not apply.
 constexpr int kHalf = kBlock / 2;
 
 // The next block's lines, one requested every (65536 / step) multiply-add steps: line (step x i) / 65536
