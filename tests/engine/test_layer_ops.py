@@ -271,6 +271,15 @@ def test_attention_refuses_tokens_outside_its_operands(ops):
         ops.attention(
             query[:, :3].contiguous(), keys, values, visible, token_tree, token_offset, token_row, 0.25, 0.0
         )
+    # A tree's tokens come together, in one cache row: a run of them attends to its first token's row.
+    query, keys, values, visible, token_tree, token_offset, token_row = random_pass([2, 2], [0, 1], 4, 2, 16)
+    order = torch.tensor([0, 2, 1, 3])  # trees 0, 1, 0, 1
+    tokens = (token_tree[order], token_offset[order], token_row[order])
+    with pytest.raises(RuntimeError, match="tree 0 are not consecutive"):
+        ops.attention(query[order], keys, values, visible, *tokens, 0.25, 0.0)
+    split = torch.tensor([0, 0, 1, 0])
+    with pytest.raises(RuntimeError, match="tree 1 lie in more than one cache row"):
+        ops.attention(query, keys, values, visible, token_tree, token_offset, split, 0.25, 0.0)
 
 
 def test_the_attention_choice_is_timed_on_the_cpu_whatever_the_default_device(ops, monkeypatch):

@@ -682,6 +682,20 @@ int64_t runs_of_one_tree(int64_t tokens, int64_t kv_heads, int64_t threads) {
 }
 
 AttentionPlan plan_attention(const Visibility& visibility, int64_t tokens, int64_t kv_heads, int64_t threads) {
+  // A run's tokens attend to the cache row of its first token, and a pass is one tree where its first
+  // and last tokens are: each tree's tokens must come together, in one row, as the runner packs them
+  // (otherwise tokens would attend, without an error, to another row's keys).
+  const int64_t* tree = visibility.token_tree;
+  std::vector<char> done(tokens > 0 ? *std::max_element(tree, tree + tokens) + 1 : 0, 0);
+  for (int64_t t = 1; t < tokens; ++t) {
+    if (tree[t] == tree[t - 1]) {
+      TORCH_CHECK(visibility.token_row[t] == visibility.token_row[t - 1], "attention: the tokens of tree ", tree[t],
+                  " lie in more than one cache row");
+    } else {
+      done[tree[t - 1]] = 1;
+      TORCH_CHECK(!done[tree[t]], "attention: the tokens of tree ", tree[t], " are not consecutive");
+    }
+  }
   AttentionPlan plan{visibility, tokens, {}, {}};
   const bool one_tree = tokens > 0 && visibility.token_tree[0] == visibility.token_tree[tokens - 1];
   if (one_tree) {
