@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-import functools
+import itertools
 import random
 from collections import Counter
 from dataclasses import replace
@@ -17,6 +17,8 @@ from reader_spec.budget.realized import RealizedAcceptance
 from reader_spec.config import GenerationConfig
 from reader_spec.drafters import FusedDrafter, ModelDrafter, ReaderDrafter
 from reader_spec.drafters.retrieval.datastore import Datastore
+from reader_spec.engine.attention import pack
+from reader_spec.engine.decoder import FastDecoder
 from reader_spec.engine.loop import Engine
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal, chain_proposal
 from reader_spec.engine.weights import ROW_BUCKETS
@@ -186,9 +188,19 @@ class HalfSureDrafter(ScriptedDrafter):
 
 @pytest.mark.parametrize("call_cost", [0, 10**9])  # attention by runs of equal width, or all padded
 def test_batch_budget_gives_each_sequence_its_own_draft(tiny, prompts, plain_outputs, call_cost, monkeypatch):
+    """Trees of unequal widths in one pass, through the packed PyTorch attention that a GPU runs (a
+    CPU's compiled attention reads the rows itself and never packs)."""
     import reader_spec.engine.runner as runner_module
 
-    monkeypatch.setattr(runner_module, "pack", functools.partial(runner_module.pack, call_cost=call_cost))
+    monkeypatch.setattr(FastDecoder, "_runs_compiled", lambda self, tokens: False)
+    monkeypatch.setattr(runner_module, "attention_call_cost", lambda *args: call_cost)
+    layouts = []
+
+    def packing(*args):
+        layouts.append(pack(*args))
+        return layouts[-1]
+
+    monkeypatch.setattr(runner_module, "pack", packing)
     references = [p + o.tokens for p, o in zip(prompts, plain_outputs, strict=True)]
     linear = CostModel(measure=lambda batch, drafted, context: {d: 1.0 + 0.02 * d for d in drafted})
     engine = Engine(tiny, HalfSureDrafter(references, 0.0), budget=6, costs=linear)
@@ -197,6 +209,13 @@ def test_batch_budget_gives_each_sequence_its_own_draft(tiny, prompts, plain_out
     sure, unsure = outputs[0::2], outputs[1::2]
     assert all(o.stats.drafted == 0 for o in unsure)
     assert all(o.stats.mean_accepted > 3 for o in sure)
+    adjacent_splits = [  # groups of one pass that a single call could have covered
+        (a, b)
+        for layout in layouts
+        for a, b in itertools.pairwise(layout.groups)
+        if b.first_row == a.first_row + a.count
+    ]
+    assert layouts and bool(adjacent_splits) == (call_cost == 0)
 
 
 def test_weak_drafts_are_not_verified(tiny, prompts, plain_outputs):
