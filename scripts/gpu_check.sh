@@ -1,7 +1,9 @@
 #!/bin/bash
 # The checks a GPU session runs (docs/runner.md, "On a GPU"): the engine, runner and drafter tests with
 # the GPU as the tests' device, then `ar` against `reader` at batch 1 and at batches 8 and 32, each
-# bench under its own time limit so that one that runs out leaves the others' results.
+# bench under its own time limit so that one that runs out leaves the others' results. The compiled CPU
+# ops' tests run too: their errors must reach Python on the GPU host's compiler (session 63's H200
+# crashed in one of them).
 #
 #   scripts/gpu_check.sh OUT_DIR [tests|bench|all]
 #
@@ -24,6 +26,7 @@ if [ "$PART" != bench ]; then
     tests/engine/test_runner.py tests/engine/test_engine.py tests/engine/test_sampling.py \
     tests/engine/test_acceptance.py tests/engine/test_tree.py tests/engine/test_kv_cache.py \
     tests/engine/test_attention.py tests/engine/test_stopping.py tests/engine/test_scheduler.py \
+    tests/engine/test_layer_ops.py \
     tests/drafters/test_model_drafter.py tests/drafters/test_reader_drafter.py > "$OUT/tests.log" 2>&1
   echo "tests: exit $?, $(grep -c ' PASSED' "$OUT/tests.log") passed, $(grep -c ' FAILED' "$OUT/tests.log") failed," \
     "$(grep -c ' ERROR' "$OUT/tests.log") errors (a run cut by its time limit has no summary line)"
