@@ -212,3 +212,27 @@ def test_random_trees_walk_as_with_every_token_resolved():
             assert tree.walk(lazy.__getitem__) == tree.walk(exact.__getitem__)
             unneeded += lazy.count(UNNEEDED)
     assert unneeded > 0  # the case this is about happened
+
+
+def test_a_draft_below_a_larger_logit_leaves_the_integer_sweep():
+    """A rejected draft's row, and the rows below it, are dropped from the integer products as soon as
+    its parent's row shows a larger logit: they come back UNNEEDED even where the row's own bound
+    leaves one candidate (a row computed to the end would return that candidate). A draft below a
+    likelier sibling is dropped too; the accepted path is resolved as before."""
+    torch.manual_seed(9)
+    weight = torch.randn(300, 64) * 0.05
+    head, greedy = head_of(weight)
+
+    def confident(token: int) -> torch.Tensor:  # a row whose argmax is `token`, by a wide margin
+        return weight[token] / weight[token].norm() * 40
+
+    # Root 0 picks 11; row 1 drafts 11 (accepted) and picks 22; row 2 drafts 5 (a sibling of 1, lower
+    # logit at the root); row 3 under 2 picks 33; row 4 under 1 drafts 22 (accepted) and picks 44.
+    hidden = torch.stack([confident(11), confident(22), confident(33), confident(33), confident(44)])
+    tree = DraftTree([7, 11, 5, 33, 22], [-1, 0, 0, 2, 1])
+    expected = full_argmax(head, hidden)
+    assert expected.tolist() == [11, 22, 33, 33, 44]
+    tokens = greedy(hidden, tree_rows([tree]))
+    assert tokens.tolist() == [11, 22, UNNEEDED, UNNEEDED, 44]
+    # Without the tree every row is resolved, rows 2 and 3 included: their bounds leave one candidate.
+    assert torch.equal(greedy(hidden), expected)

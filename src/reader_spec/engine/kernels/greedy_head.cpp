@@ -18,12 +18,19 @@
 // at a root, or below a row whose token is its own (greedy acceptance walks only that path). The
 // rows after a rejected draft are where the model is least sure, each sending tens of blocks through
 // the exact product; they get -2, and rows are resolved in rounds down the trees.
+//
+// Most of such a row's cost is its integer products (on an AVX2 core about as much per row as reading
+// the int8 copy once), and a draft's rejection is often plain long before the sweep ends: its token's
+// exact logit at the parent row is computed first, and once the parent's floor (approx - bound, the
+// largest over the columns swept so far by any thread) rises above it, the draft's row and every row
+// below it leave the sweep and get -2 (TreePruning).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -104,6 +111,100 @@ struct BlockWork {
   float best_logit;
 };
 
+// Drops a draft's row from the integer sweep once its parent's row is known to hold a logit above the
+// draft's token (greedy acceptance then stops at the parent and reads nothing below it). The token's
+// exact logit at the parent comes first, from the full product's own tile; the parent's floor is a
+// lower bound of its largest exact logit: the largest approx - bound over the columns swept so far,
+// and the exact logits of its drafts' tokens (so a draft below a likelier sibling leaves at once).
+class TreePruning final : public reader_spec::RowPruning {
+ public:
+  TreePruning(const float* x, int64_t rows, int64_t k_size, const float* weight, int64_t out_features,
+              const int64_t* parents, const int64_t* drafted, const float* approx, int64_t ldy, const float* slack,
+              const float* col_norm)
+      : RowPruning(rows), parents_(parents), approx_(approx), ldy_(ldy), out_features_(out_features), slack_(slack),
+        col_norm_(col_norm), token_logit_(rows, std::numeric_limits<float>::quiet_NaN()), floor_(rows),
+        children_(rows) {
+    for (std::atomic<float>& f : floor_) f.store(-std::numeric_limits<float>::infinity(), std::memory_order_relaxed);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (parents[r] >= 0 && drafted[r] >= 0 && drafted[r] < out_features) children_[parents[r]].push_back(r);
+    }
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      float logits[kBlock];
+      for (int64_t r = begin; r < end; ++r) {
+        if (parents[r] < 0 || drafted[r] < 0 || drafted[r] >= out_features) continue;
+        const int64_t block = drafted[r] / kBlock;
+        reader_spec::blocked_product(x + parents[r] * k_size, 1, weight + block * k_size * kBlock, k_size, nullptr,
+                                     logits, std::min(kBlock, out_features - block * kBlock), false);
+        token_logit_[r] = logits[drafted[r] % kBlock];
+      }
+    });
+    for (int64_t r = 0; r < rows; ++r) {
+      float highest = -std::numeric_limits<float>::infinity();
+      for (int64_t child : children_[r]) highest = std::max(highest, token_logit_[child]);  // NaN stays out
+      raise_floor(r, highest);
+    }
+  }
+
+  void start(const std::vector<reader_spec::IntegerRow>& rows) override {
+    quantized_ = &rows;
+    for (int64_t r = 0; r < static_cast<int64_t>(rows.size()); ++r) drop_rejected(r);
+  }
+
+  void block_done(int64_t block, const int64_t* rows, int64_t count) override {
+    const int64_t first = block * kBlock, end = std::min(first + kBlock, out_features_);
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t r = rows[i];
+      const reader_spec::IntegerRow& row = (*quantized_)[r];
+      if (children_[r].empty() || !row.finite) continue;
+      const float* approx = approx_ + r * ldy_;
+      float highest = -std::numeric_limits<float>::infinity();
+      int64_t j = first;
+      if (end - first == kBlock) {
+        Vec16 lows = Vec16{} - std::numeric_limits<float>::infinity();
+        for (; j < end; j += kLanes) {
+          const Vec16 low = load(approx + j) - bounds(slack_, col_norm_, j, row.norm, row.error);
+          lows = select(low > lows, low, lows);
+        }
+        for (int lane = 0; lane < kLanes; ++lane) highest = std::max(highest, lows[lane]);
+      }
+      for (; j < end; ++j) highest = std::max(highest, approx[j] - (row.norm * slack_[j] + row.error * col_norm_[j]));
+      raise_floor(r, highest);
+      drop_rejected(r);
+    }
+  }
+
+ private:
+  void raise_floor(int64_t r, float value) {
+    float current = floor_[r].load(std::memory_order_relaxed);
+    while (value > current && !floor_[r].compare_exchange_weak(current, value, std::memory_order_relaxed)) {
+    }
+  }
+
+  // Drops each active draft under row r whose token's logit there is below r's floor, and every row
+  // below a dropped one (a parent comes before its children).
+  void drop_rejected(int64_t r) {
+    const float floor = floor_[r].load(std::memory_order_relaxed);
+    for (int64_t child : children_[r]) {
+      if (!active(child) || !(floor > token_logit_[child])) continue;
+      drop(child);
+      const int64_t rows = static_cast<int64_t>(floor_.size());
+      for (int64_t below = child + 1; below < rows; ++below) {
+        if (parents_[below] >= child && !active(parents_[below])) drop(below);
+      }
+    }
+  }
+
+  const int64_t* parents_;
+  const float* approx_;
+  int64_t ldy_, out_features_;
+  const float* slack_;
+  const float* col_norm_;
+  const std::vector<reader_spec::IntegerRow>* quantized_ = nullptr;
+  std::vector<float> token_logit_;  // per draft row: its token's exact logit at its parent (NaN: never dropped)
+  std::vector<std::atomic<float>> floor_;
+  std::vector<std::vector<int64_t>> children_;  // drafts under each row that may be dropped
+};
+
 std::tuple<at::Tensor, bool> greedy_tokens(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& weight_int8,
                          const at::Tensor& scales, const at::Tensor& slack, const at::Tensor& col_norm,
                          int64_t out_features, const c10::optional<at::Tensor>& parents,
@@ -140,10 +241,16 @@ std::tuple<at::Tensor, bool> greedy_tokens(const at::Tensor& hidden, const at::T
   // Approximate logits of every row (padding columns included), blocks of columns in parallel; every
   // one is written, so the buffer is not zeroed first (8 rows: 1.5 MB).
   const std::unique_ptr<float[]> approx(new float[rows * blocks * kBlock]);
+  std::unique_ptr<TreePruning> pruning;
+  if (parent_data != nullptr && rows > 1) {
+    pruning = std::make_unique<TreePruning>(x.data_ptr<float>(), rows, k_size, weight.data_ptr<float>(),
+                                            out_features, parent_data, drafted_data, approx.get(), blocks * kBlock,
+                                            slack.data_ptr<float>(), col_norm.data_ptr<float>());
+  }
   const std::vector<IntegerRow> quantized =
       reader_spec::integer_product(x.data_ptr<float>(), rows, weight_int8.data_ptr<uint8_t>(), k_size,
                                    scales.data_ptr<float>(), nullptr, approx.get(), blocks * kBlock, blocks * kBlock,
-                                   true);
+                                   true, pruning.get());
 
   // Per row: the columns that can still be the largest; one of them is the token.
   at::Tensor tokens = at::empty({rows}, x.options().dtype(at::kLong));
@@ -151,6 +258,10 @@ std::tuple<at::Tensor, bool> greedy_tokens(const at::Tensor& hidden, const at::T
   std::vector<std::vector<int64_t>> candidates(rows);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
+      if (pruning != nullptr && !pruning->active(r)) {  // below a rejected draft, left partway
+        token_data[r] = kUnneeded;
+        continue;
+      }
       if (!quantized[r].finite) {
         token_data[r] = kUnbounded;
         continue;

@@ -263,24 +263,49 @@ namespace reader_spec {
 
 std::vector<IntegerRow> integer_product(const float* x, int64_t rows, const uint8_t* weight, int64_t k_size,
                                         const float* scales, const float* bias, float* y, int64_t ldy,
-                                        int64_t columns, bool bounds) {
+                                        int64_t columns, bool bounds, RowPruning* pruning) {
   const int64_t groups = (k_size + kGroup - 1) / kGroup, blocks = (columns + kBlock - 1) / kBlock;
   std::vector<Group> q;
   const std::vector<IntegerRow> quantized = quantize_rows(x, rows, k_size, groups, q, bounds);
-  const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
+  if (pruning != nullptr) pruning->start(quantized);
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     int32_t sums[kTileRows][kLevels][kBlock];
     float out[kBlock];
+    // The rows this share computes, their integers and quantization: all rows, or once pruning has
+    // dropped some, copies of the active ones side by side (the tiles read consecutive rows).
+    std::vector<int64_t> live(rows);
+    for (int64_t r = 0; r < rows; ++r) live[r] = r;
+    const Group* live_q = q.data();
+    const IntegerRow* live_rows = quantized.data();
+    std::vector<Group> kept_q;
+    std::vector<IntegerRow> kept_rows;
+    int64_t seen_drops = 0;
     for (int64_t b = begin; b < end; ++b) {
+      if (pruning != nullptr && pruning->dropped() != seen_drops) {
+        seen_drops = pruning->dropped();
+        live.clear();
+        kept_q.clear();
+        kept_rows.clear();
+        for (int64_t r = 0; r < rows; ++r) {
+          if (!pruning->active(r)) continue;
+          live.push_back(r);
+          kept_q.insert(kept_q.end(), q.begin() + r * kLevels * groups, q.begin() + (r + 1) * kLevels * groups);
+          kept_rows.push_back(quantized[r]);
+        }
+        live_q = kept_q.data();
+        live_rows = kept_rows.data();
+      }
+      const int64_t count_rows = static_cast<int64_t>(live.size());
       const int64_t count_columns = std::min(kBlock, columns - b * kBlock);
+      const int64_t tiles = (count_rows + kTileRows - 1) / kTileRows;
       for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t first = t * rows / tiles;
-        const int count = static_cast<int>((t + 1) * rows / tiles - first);
-        integer_rows(count, q.data() + first * kLevels * groups, groups, weight + b * groups * kBlock * kGroup,
-                     quantized.data() + first, sums);
+        const int64_t first = t * count_rows / tiles;
+        const int count = static_cast<int>((t + 1) * count_rows / tiles - first);
+        integer_rows(count, live_q + first * kLevels * groups, groups, weight + b * groups * kBlock * kGroup,
+                     live_rows + first, sums);
         for (int r = 0; r < count; ++r) {
-          const IntegerRow& row = quantized[first + r];
-          float* y_row = y + (first + r) * ldy + b * kBlock;
+          const IntegerRow& row = live_rows[first + r];
+          float* y_row = y + live[first + r] * ldy + b * kBlock;
           if (!row.finite) {  // inf or NaN in x: no integers say anything of it
             std::fill(y_row, y_row + count_columns, std::numeric_limits<float>::quiet_NaN());
             continue;
@@ -296,6 +321,7 @@ std::vector<IntegerRow> integer_product(const float* x, int64_t rows, const uint
           std::memcpy(y_row, out, count_columns * sizeof(float));
         }
       }
+      if (pruning != nullptr) pruning->block_done(b, live.data(), count_rows);
     }
   });
   return quantized;

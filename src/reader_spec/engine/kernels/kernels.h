@@ -8,6 +8,7 @@
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -220,12 +221,41 @@ struct IntegerRow {
   bool finite = true;  // false: x has inf or NaN (its outputs are not computed)
 };
 
+// Rows an integer product may stop computing partway: the greedy head's rows below a draft that is
+// already known to be rejected (greedy_head.cpp). Before each block of its share the product computes
+// only the rows still active (a dropped row's outputs in later blocks stay unwritten), and after it
+// reports the rows it computed to `block_done`, which may drop rows; both threads' shares see a drop
+// from their next block on.
+class RowPruning {
+ public:
+  explicit RowPruning(int64_t rows) : active_(rows) {
+    for (std::atomic<bool>& a : active_) a.store(true, std::memory_order_relaxed);
+  }
+  virtual ~RowPruning() = default;
+  // Once, before any block: the rows as quantized (their bounds' norm and error).
+  virtual void start(const std::vector<IntegerRow>& rows) = 0;
+  // After block `block` of a thread's share, whose outputs for `rows` (`count` of them) are written.
+  virtual void block_done(int64_t block, const int64_t* rows, int64_t count) = 0;
+  bool active(int64_t row) const { return active_[row].load(std::memory_order_relaxed); }
+  int64_t dropped() const { return dropped_.load(std::memory_order_relaxed); }
+
+ protected:
+  void drop(int64_t row) {
+    if (active_[row].exchange(false, std::memory_order_relaxed)) dropped_.fetch_add(1, std::memory_order_relaxed);
+  }
+
+ private:
+  std::vector<std::atomic<bool>> active_;
+  std::atomic<int64_t> dropped_{0};
+};
+
 // y[r][c] = scale[c] * sum over levels of (level scale * integer dot product) (+ bias[c]) for the
 // first `columns` columns, `ldy` floats per row of y. Integer sums are exact in any order, so a row's
 // outputs do not depend on the rows beside it. `bounds`: also compute each row's norm and error.
+// `pruning`: rows may be dropped partway (see RowPruning).
 std::vector<IntegerRow> integer_product(const float* x, int64_t rows, const uint8_t* weight, int64_t k_size,
                                         const float* scales, const float* bias, float* y, int64_t ldy,
-                                        int64_t columns, bool bounds);
+                                        int64_t columns, bool bounds, RowPruning* pruning = nullptr);
 
 // Products of weights quantized per group of kWeightGroup k of a column (grouped_product.cpp), as
 // GGUF stores them: 4 bits, W[n][k] = d[n][g] q[n][k] + m[n][g] (q in 0..15), or 8 bits,
