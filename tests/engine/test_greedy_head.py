@@ -24,7 +24,7 @@ def head_of(weight: torch.Tensor, bounded: bool = True):
     linear.weight.data = weight.clone()
     head, _ = pack_linears([linear])
     greedy = GreedyHead(head)
-    greedy._wins_by_bucket = dict.fromkeys(ROW_BUCKETS, bounded)
+    greedy._seconds_by_bucket = dict.fromkeys(ROW_BUCKETS, (0.0, 1.0) if bounded else (1.0, 0.0))
     return head, greedy
 
 
@@ -145,10 +145,10 @@ def test_the_kernel_says_whether_any_row_is_not_finite():
     torch.manual_seed(3)
     _, greedy = head_of(torch.randn(500, 64))
     hidden = torch.randn(3, 64)
-    tokens, unbounded = greedy._bounded(hidden)
+    tokens, unbounded, _ = greedy._bounded(hidden)
     assert unbounded is False and UNBOUNDED not in tokens.tolist()
     hidden[2, 9] = float("nan")
-    tokens, unbounded = greedy._bounded(hidden)
+    tokens, unbounded, _ = greedy._bounded(hidden)
     assert unbounded is True and tokens.tolist()[2] == UNBOUNDED and UNBOUNDED not in tokens.tolist()[:2]
 
 
@@ -234,5 +234,29 @@ def test_a_draft_below_a_larger_logit_leaves_the_integer_sweep():
     assert expected.tolist() == [11, 22, 33, 33, 44]
     tokens = greedy(hidden, tree_rows([tree]))
     assert tokens.tolist() == [11, 22, UNNEEDED, UNNEEDED, 44]
+    assert greedy._bounded(hidden, tree_rows([tree]))[2] == 3  # rows 0, 1 and 4 computed to the end
     # Without the tree every row is resolved, rows 2 and 3 included: their bounds leave one candidate.
     assert torch.equal(greedy(hidden), expected)
+
+
+def test_the_head_is_priced_at_the_draft_rows_it_keeps():
+    """A pass with drafts runs the bounded head where computing the rows it is expected to keep is
+    faster than the whole layer on every row, however the two compare with every row computed; what
+    it keeps is learned from the passes it runs."""
+    torch.manual_seed(10)
+    weight = torch.randn(300, 64) * 0.05
+    head, greedy = head_of(weight)
+    # the head wins up to 4 rows
+    greedy._seconds_by_bucket = {bucket: (float(bucket), 6.0) for bucket in ROW_BUCKETS}
+    assert greedy.kept_share == pytest.approx(0.5)  # the prior
+    assert greedy.wins(4) and not greedy.wins(8) and not greedy.wins(8, roots=8)
+    assert not greedy.wins(8, roots=1)  # 1 + 7 / 2 rows expected: the 8-row bucket
+    # Passes of 4 rows whose first draft is rejected: the head keeps only the root.
+    for _ in range(3):
+        hidden = torch.randn(4, 64) * 3
+        first = int(full_argmax(head, hidden[:1])[0])
+        tokens = greedy(hidden, tree_rows([DraftTree([1, (first + 1) % 300, 2, 3], [-1, 0, 1, 2])]))
+        assert tokens.tolist()[1:] == [UNNEEDED] * 3
+    assert greedy.kept_share < 0.3
+    assert greedy.wins(8, roots=1)  # now under 4 rows expected
+    assert not greedy.wins(8)  # a pass without drafts keeps every row

@@ -28,7 +28,9 @@ the rounding of the comparison itself, rounded up to float32; the kernel adds 5%
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -36,12 +38,29 @@ from reader_spec.engine import kernels
 from reader_spec.engine.host import longs
 from reader_spec.engine.layouts import BLOCK, INT8_GROUP, quantize_int8, to_groups
 from reader_spec.engine.memory import PageArena
-from reader_spec.engine.timing import fastest
+from reader_spec.engine.timing import best_times
 from reader_spec.engine.tree import DraftTree
 from reader_spec.engine.weights import ROW_BUCKETS, PackedLinear
 
-Trees = tuple[torch.Tensor, torch.Tensor]
-"""A pass's draft trees as the greedy head reads them: each row's parent row (-1 for a root) and token."""
+KEPT_PRIOR = 0.5
+"""The share of draft rows the head is taken to compute to the end before it has run on any trees
+(:attr:`GreedyHead.kept_share`): about what verification accepts of the drafts it is given."""
+KEPT_PRIOR_ROWS = 8.0
+"""How many draft rows that prior weighs, against what passes show."""
+KEPT_DECAY = 0.99
+"""Per pass with drafts, how much of what the passes before showed of the kept share counts."""
+
+
+@dataclass(frozen=True)
+class Trees:
+    """A pass's draft trees as the greedy head reads them: each row's parent row (-1 for a root) and
+    token, and how many roots there are."""
+
+    parents: torch.Tensor
+    tokens: torch.Tensor
+    roots: int
+
+
 UNBOUNDED = -1
 """The kernel's token for a row that is not finite (the full product then decides it)."""
 UNNEEDED = -2
@@ -73,8 +92,12 @@ class GreedyHead:
             self.scales[columns] = scales
             self.slack[columns], self.norms[columns] = _slack(plain, quantized, scales)
             self.quantized[first : first + CHUNK_BLOCKS] = to_groups(quantized, quantized.shape[0])
-        self._wins_by_bucket: dict[int, bool] = {}
-        """Whether the int8 copy beats the whole float32 layer at that row bucket (timed once)."""
+        self._seconds_by_bucket: dict[int, tuple[float, float]] = {}
+        """The bounded head's and the whole float32 layer's seconds at that row bucket, every row
+        computed (timed once)."""
+        self._kept = KEPT_PRIOR * KEPT_PRIOR_ROWS
+        self._drafts = KEPT_PRIOR_ROWS
+        """Decayed sums of draft rows computed to the end and of draft rows given (:attr:`kept_share`)."""
 
     @staticmethod
     def applies(head: PackedLinear) -> bool:
@@ -88,38 +111,63 @@ class GreedyHead:
         found only where greedy acceptance can read it: at a root, or at a draft whose token is the
         one found at its parent. The rows after a rejected draft get ``UNNEEDED``: they are where the
         model is least sure, and each would send tens of column blocks through the exact product."""
-        if not self.wins(hidden.shape[0]):
+        rows = hidden.shape[0]
+        roots = rows if trees is None else trees.roots
+        if not self.wins(rows, roots):
             return self.head(hidden).argmax(-1)
-        tokens, any_unbounded = self._bounded(hidden, trees)
+        tokens, any_unbounded, kept = self._bounded(hidden, trees)
+        if rows > roots:
+            self._kept = self._kept * KEPT_DECAY + (kept - roots)
+            self._drafts = self._drafts * KEPT_DECAY + (rows - roots)
         if any_unbounded:  # inf or NaN in a row: its bound says nothing, take the full product
             unbounded = tokens == UNBOUNDED
             tokens[unbounded] = self.head(hidden[unbounded]).argmax(-1)
         return tokens
 
-    def _bounded(self, hidden: torch.Tensor, trees: Trees | None = None) -> tuple[torch.Tensor, bool]:
-        """Each row's token (``UNBOUNDED``, ``UNNEEDED`` or the argmax) and whether any is ``UNBOUNDED``
-        (told by the kernel: reading the tokens back costs 0.1 ms after a pass has swept the caches)."""
+    def _bounded(self, hidden: torch.Tensor, trees: Trees | None = None) -> tuple[torch.Tensor, bool, int]:
+        """Each row's token (``UNBOUNDED``, ``UNNEEDED`` or the argmax), whether any is ``UNBOUNDED``
+        (told by the kernel: reading the tokens back costs 0.1 ms after a pass has swept the caches)
+        and how many rows the integer products computed to the end (the others were found below a
+        rejected draft partway)."""
         head = self.head
-        parents, drafted = trees if trees is not None else (None, None)
+        parents, drafted = (trees.parents, trees.tokens) if trees is not None else (None, None)
         tables = (self.quantized, self.scales, self.slack, self.norms)
         return torch.ops.reader_spec.greedy_tokens(
             hidden, head.weight, *tables, head.out_features, parents, drafted
         )
 
-    def wins(self, rows: int) -> bool:
-        """Whether the bounded head beats the whole output layer at ``rows`` rows (timed once per row
-        bucket, when first asked)."""
+    @property
+    def kept_share(self) -> float:
+        """The share of draft rows the integer products have been computing to the end, over recent
+        passes with drafts (the rest left the sweep below a rejected draft)."""
+        return self._kept / self._drafts
+
+    def wins(self, rows: int, roots: int | None = None) -> bool:
+        """Whether the bounded head beats the whole output layer on a pass of ``rows`` rows, ``roots``
+        of them roots of trees (default: all) and the others drafts. Each takes its time at the row
+        bucket, timed once with every row computed; the head computes a draft's row only until the
+        draft is known rejected, so it is priced at the rows it is expected to keep
+        (:attr:`kept_share` of the drafts)."""
+        full = self._seconds(rows)
+        if full is None:
+            return False
+        drafts = rows - (rows if roots is None else roots)
+        kept = self._seconds(math.ceil(rows - drafts * (1.0 - self.kept_share)))
+        return kept[0] <= full[1]
+
+    def _seconds(self, rows: int) -> tuple[float, float] | None:
+        """The bounded head's and the whole layer's seconds at the row bucket of ``rows`` (None past
+        the last bucket), timed when first asked."""
         bucket = next((b for b in ROW_BUCKETS if b >= rows), None)
         if bucket is None:
-            return False
-        wins = self._wins_by_bucket.get(bucket)
-        if wins is None:
+            return None
+        if bucket not in self._seconds_by_bucket:
             generator = torch.Generator().manual_seed(0)  # not the caller's random state
             hidden = torch.randn(bucket, self.head.in_features, generator=generator, device="cpu")
             with torch.inference_mode():
-                wins = fastest([lambda: self._bounded(hidden), lambda: self.head(hidden).argmax(-1)]) == 0
-            self._wins_by_bucket[bucket] = wins
-        return wins
+                head, full = best_times([lambda: self._bounded(hidden), lambda: self.head(hidden).argmax(-1)])
+            self._seconds_by_bucket[bucket] = (head, full)
+        return self._seconds_by_bucket[bucket]
 
 
 def _slack(
@@ -153,4 +201,4 @@ def tree_rows(trees: Sequence[DraftTree]) -> Trees:
         start = len(parents)
         parents += [parent + start if parent >= 0 else -1 for parent in tree.parents]
         tokens += tree.tokens
-    return longs(parents), longs(tokens)
+    return Trees(longs(parents), longs(tokens), len(trees))

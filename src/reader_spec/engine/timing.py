@@ -6,12 +6,6 @@ import time
 from collections.abc import Callable, Sequence
 
 
-def fastest(calls: Sequence[Callable[[], object]], rounds: int = 5) -> int:
-    """Index of the fastest call (the first among equals)."""
-    times = best_times(calls, rounds)
-    return times.index(min(times))
-
-
 def best_times(calls: Sequence[Callable[[], object]], rounds: int = 5) -> list[float]:
     """Each call's fastest round, in seconds. Calls alternate, so that load from elsewhere hits them
     alike."""

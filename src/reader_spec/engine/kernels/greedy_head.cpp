@@ -23,7 +23,8 @@
 // the int8 copy once), and a draft's rejection is often plain long before the sweep ends: its token's
 // exact logit at the parent row is computed first, and once the parent's floor (approx - bound, the
 // largest over the columns swept so far by any thread) rises above it, the draft's row and every row
-// below it leave the sweep and get -2 (TreePruning).
+// below it leave the sweep and get -2 (TreePruning). The op also says how many rows it computed to the
+// end, which prices the next passes (greedy_head.py).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -205,7 +206,7 @@ class TreePruning final : public reader_spec::RowPruning {
   std::vector<std::vector<int64_t>> children_;  // drafts under each row that may be dropped
 };
 
-std::tuple<at::Tensor, bool> greedy_tokens(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& weight_int8,
+std::tuple<at::Tensor, bool, int64_t> greedy_tokens(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& weight_int8,
                          const at::Tensor& scales, const at::Tensor& slack, const at::Tensor& col_norm,
                          int64_t out_features, const c10::optional<at::Tensor>& parents,
                          const c10::optional<at::Tensor>& drafted) {
@@ -321,7 +322,7 @@ std::tuple<at::Tensor, bool> greedy_tokens(const at::Tensor& hidden, const at::T
     if (token_data[r] == kPending) token_data[r] = kUnneeded;
     unbounded = unbounded || token_data[r] == kUnbounded;
   }
-  return {tokens, unbounded};
+  return {tokens, unbounded, rows - (pruning != nullptr ? pruning->dropped() : 0)};
 }
 
 }  // namespace
@@ -329,7 +330,7 @@ std::tuple<at::Tensor, bool> greedy_tokens(const at::Tensor& hidden, const at::T
 TORCH_LIBRARY_FRAGMENT(reader_spec, m) {
   m.def(
       "greedy_tokens(Tensor hidden, Tensor weight, Tensor weight_int8, Tensor scales, Tensor slack, Tensor col_norm, "
-      "int out_features, Tensor? parents=None, Tensor? drafted=None) -> (Tensor, bool)");
+      "int out_features, Tensor? parents=None, Tensor? drafted=None) -> (Tensor, bool, int)");
 }
 
 TORCH_LIBRARY_IMPL(reader_spec, CPU, m) { m.impl("greedy_tokens", &greedy_tokens); }
