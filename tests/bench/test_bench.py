@@ -21,7 +21,7 @@ from reader_spec.bench.results import (
     source_shares,
     summarize,
 )
-from reader_spec.bench.runner import run_bench, turn_messages
+from reader_spec.bench.runner import recorded, run_bench, turn_messages
 from reader_spec.bench.spec_bench import Question, load_questions
 from reader_spec.cli import main
 from reader_spec.config import GenerationConfig
@@ -402,6 +402,7 @@ def test_saved_files(report, tmp_path):
             "speedup_by_category.png",
             "accept_lengths.png",
             "throughput_by_batch.png",
+            "recording.jsonl",
         ]
     )
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == names  # no temporary files left
@@ -420,6 +421,24 @@ def test_saved_files(report, tmp_path):
     for name in names:
         if name.endswith(".png"):
             assert (tmp_path / "out" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_recording_holds_ar_answers_to_every_turn(report, tiny):
+    tasks = {task["id"]: task for task in report.recording}
+    assert list(tasks) == ["coding-1", "rag-2", "math_reasoning-3"]
+    coding = tasks["coding-1"]
+    assert coding["category"] == "coding" and [m["role"] for m in coding["messages"]] == [
+        "user", "assistant", "user", "assistant"
+    ]  # fmt: skip
+    question, engine, config = QUESTIONS[0], Engine(tiny), GenerationConfig(max_new_tokens=MAX_NEW)
+    answers = []
+    for turn in range(2):
+        prompt = encode_prompt(tiny.tokenizer, turn_messages(question, turn, answers))
+        (output,) = engine.generate([prompt], config)
+        answers.append(tiny.tokenizer.decode(output.tokens, skip_special_tokens=True))
+    contents = [m["content"] for m in coding["messages"]]
+    assert contents == [question.turns[0], answers[0], question.turns[1], answers[1]]
+    assert recorded(question, answers) == coding
 
 
 # --- command line ------------------------------------------------------------------------------------

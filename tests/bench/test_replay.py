@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,6 +19,8 @@ from reader_spec.bench.replay import (
     run_replay,
     tokenize_conversation,
 )
+from reader_spec.bench.runner import recorded
+from reader_spec.bench.spec_bench import Question
 from reader_spec.budget.costs import PROBE_CONTEXT, CostModel
 from reader_spec.cli import main
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal, chain_proposal
@@ -214,6 +217,31 @@ def test_priced_replay_cuts_each_tree_where_the_rate_is_best(tmp_path):
     assert "| priced | 2.00 |" in report.markdown() and "1.43x |" in report.markdown()
 
 
+def test_replay_reports_each_category_and_their_mean_as_the_bench_does():
+    costs = CostModel({PROBE_CONTEXT: {1: {d: 1.0 + 0.2 * d for d in range(9)}}}, budget=4)
+    short = conversation([1, 2, 3], [[10, 11, 12, 13]], [4, 5])  # 4 tokens in 1 step: 4 / 1.8
+    long = conversation([1, 2, 3], [list(range(10, 18))], [4, 5])  # 8 tokens in 2 steps: 8 / 3.6
+    categories = [(short, "coding"), (long, "coding"), (short, "qa"), (long, "")]
+    tasks = [replace(task, category=category) for task, category in categories]
+    oracle = Oracle(long.tokens.tolist())  # the short turn is the long one's beginning
+    report = run_replay(tasks, {"oracle": oracle}, 4, progress=False, costs=costs)
+    coding, qa = report.categories["coding"]["oracle"], report.categories["qa"]["oracle"]
+    assert set(report.categories) == {"coding", "qa"}  # the task without a category joins none
+    assert (coding.tasks, coding.new_tokens, coding.steps) == (2, 12, 3) and qa.tasks == 1
+    assert coding.modelled_speedup == pytest.approx(12 / 5.4)
+    assert qa.modelled_speedup == pytest.approx(4 / 1.8)
+    assert report.methods["oracle"].tasks == 4 and [t["category"] for t in report.tasks] == [
+        "coding", "coding", "qa", ""
+    ]  # fmt: skip
+    text = report.markdown()
+    assert "| coding | 2.22x (4.00) |" in text and "| qa | 2.22x (4.00) |" in text
+    assert "| **mean over categories** | 2.22x |" in text
+    assert (
+        "categories" in report.as_dict()
+        and "By category" not in run_replay([short], {"oracle": oracle}, 4, progress=False).markdown()
+    )
+
+
 def test_cli_priced_replay_needs_batch_1_costs(tmp_path, tokenizer, monkeypatch, capsys):
     monkeypatch.setenv("READER_SPEC_CACHE", str(tmp_path / "cache"))
     tokenizer.save_pretrained(tmp_path / "tokenizer")
@@ -236,20 +264,32 @@ def write_tasks(path, tasks) -> None:
 
 def test_conversations_are_cached(tmp_path, tokenizer, monkeypatch):
     path = tmp_path / "tasks.jsonl.gz"
-    write_tasks(path, [{"instance_id": "a", "messages": CONVERSATION}, {"messages": CONVERSATION[:3]}])
+    tasks = [{"instance_id": "a", "category": "qa", "messages": CONVERSATION}, {"messages": CONVERSATION[:3]}]
+    write_tasks(path, tasks)
     first = load_conversations(path, tokenizer, "fp", tmp_path / "cache")
     assert [c.id for c in first] == ["a", "2"] and [len(c.turns) for c in first] == [2, 1]
+    assert [c.category for c in first] == ["qa", ""]
 
     def no_tokenizing(*args):
         raise AssertionError("tokenized again")
 
     monkeypatch.setattr(replay, "tokenize_conversation", no_tokenizing)
     again = load_conversations(path, tokenizer, "fp", tmp_path / "cache")
-    assert [(c.id, c.tokens.tolist(), c.turns) for c in again] == [
-        (c.id, c.tokens.tolist(), c.turns) for c in first
+    assert [(c.id, c.tokens.tolist(), c.turns, c.category) for c in again] == [
+        (c.id, c.tokens.tolist(), c.turns, c.category) for c in first
     ]
     with pytest.raises(AssertionError):  # another tokenizer fingerprint is another cache entry
         load_conversations(path, tokenizer, "other", tmp_path / "cache")
+
+
+def test_a_bench_recording_replays_turn_by_turn(tmp_path, tokenizer):
+    question = Question(7, "coding", ("w7 w8", "w9"))
+    path = tmp_path / "recording.jsonl"
+    path.write_text(json.dumps(recorded(question, ["w20 w21", "w22"])) + "\n")
+    (convo,) = load_conversations(path, tokenizer, "fp")
+    assert (convo.id, convo.category, len(convo.turns)) == ("coding-7", "coding", 2)
+    words = [tokenizer.decode(convo.tokens[a:b].tolist()).split() for a, b in convo.turns]
+    assert words == [["w20", "w21", "w1"], ["w22", "w1"]]  # each answer, closed by the end of its turn
 
 
 def test_malformed_recordings(tmp_path):
@@ -259,6 +299,9 @@ def test_malformed_recordings(tmp_path):
         read_tasks(bad)
     bad.write_text("{not json\n")
     with pytest.raises(ReplayError, match="not valid JSON"):
+        read_tasks(bad)
+    bad.write_text(json.dumps({"category": 3, "messages": CONVERSATION}) + "\n")
+    with pytest.raises(ReplayError, match="'category' must be a string"):
         read_tasks(bad)
 
 

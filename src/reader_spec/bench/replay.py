@@ -46,7 +46,7 @@ from reader_spec.files import json_lines, write_atomic
 METHODS = ("pld", "suffix", "reader")
 """The drafters a replay compares by default (any name of ``DRAFTERS`` may be given)."""
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 
 
 class ReplayError(ValueError):
@@ -56,11 +56,13 @@ class ReplayError(ValueError):
 @dataclass(frozen=True)
 class Conversation:
     """One tokenized task: ``tokens`` through its last assistant turn, and per turn (context end,
-    continuation end): the context is ``tokens[:a]`` and the recorded continuation ``tokens[a:b]``."""
+    continuation end): the context is ``tokens[:a]`` and the recorded continuation ``tokens[a:b]``.
+    ``category``: the task's, where the recording gives one (``reader bench`` writes Spec-Bench's)."""
 
     id: str
     tokens: np.ndarray
     turns: tuple[tuple[int, int], ...]
+    category: str = ""
 
 
 # --- reading and tokenizing ----------------------------------------------------------------------
@@ -74,6 +76,8 @@ def read_tasks(path: str | Path) -> list[dict]:
             for m in messages
         ):
             raise ReplayError(f"{path}:{number}: needs a 'messages' list of {{role, content}} strings")
+        if not isinstance(task.get("category", ""), str):
+            raise ReplayError(f"{path}:{number}: 'category' must be a string")
         task.setdefault("instance_id", str(task.get("id", number)))
         tasks.append(task)
     return tasks
@@ -145,7 +149,9 @@ def load_conversations(
     for task in tqdm(read_tasks(path), desc="tokenizing", unit="task", file=sys.stderr, leave=False):
         tokens, turns = tokenize_conversation(tokenizer, task["messages"])
         conversations.append(
-            Conversation(str(task["instance_id"]), np.asarray(tokens, np.int32), tuple(turns))
+            Conversation(
+                str(task["instance_id"]), np.asarray(tokens, np.int32), tuple(turns), task.get("category", "")
+            )
         )
     if cache is not None:
         _write_cache(cache, conversations)
@@ -163,18 +169,22 @@ def _write_cache(path: Path, conversations: Sequence[Conversation]) -> None:
         offsets=np.cumsum([0, *lengths]),
         turns=np.asarray(turns, dtype=np.int64).reshape(-1, 3),
         ids=np.asarray([c.id for c in conversations], dtype=str),
+        categories=np.asarray([c.category for c in conversations], dtype=str),
     )
     write_atomic(path, buffer.getvalue())
 
 
 def _read_cache(path: Path) -> list[Conversation]:
     with np.load(path) as data:
-        tokens, offsets, turns, ids = data["tokens"], data["offsets"], data["turns"], data["ids"]
+        tokens, offsets, turns = data["tokens"], data["offsets"], data["turns"]
+        ids, categories = data["ids"], data["categories"]
     by_task: dict[int, list[tuple[int, int]]] = {}
     for task, a, b in turns.tolist():
         by_task.setdefault(task, []).append((a, b))
     return [
-        Conversation(str(ids[i]), tokens[offsets[i] : offsets[i + 1]], tuple(by_task.get(i, ())))
+        Conversation(
+            str(ids[i]), tokens[offsets[i] : offsets[i + 1]], tuple(by_task.get(i, ())), str(categories[i])
+        )
         for i in range(len(ids))
     ]
 
@@ -338,7 +348,9 @@ class ReplayReport:
     environment: dict
     methods: dict[str, MethodStats] = field(default_factory=dict)
     tasks: list[dict] = field(default_factory=list)
-    """Per task: its id and, per method, its totals."""
+    """Per task: its id, its category (empty where the recording gives none) and, per method, its totals."""
+    categories: dict[str, dict[str, MethodStats]] = field(default_factory=dict)
+    """Per category the recording names, per method, the totals of its tasks."""
 
     def markdown(self) -> str:
         s = self.settings
@@ -359,6 +371,7 @@ class ReplayReport:
                 f"| {m.method} | {m.mean_accepted:.2f} | {ratio} | {m.steps} | {m.accepted} | {m.drafted} | "
                 f"{m.seconds:.1f} | {m.drafter_seconds:.1f} | {per_step:.3f} | {modelled} |"
             )
+        lines += self._category_lines()
         drafters = s.get("drafters", {})
         if drafters:
             lines += ["", "Settings of each drafter:"]
@@ -372,11 +385,38 @@ class ReplayReport:
         ]
         return "\n".join(lines)
 
+    def _category_lines(self) -> list[str]:
+        """Tokens per step by category and, with costs, the modelled speedup (each category's plain
+        passes over its method's) and its mean over categories, as ``reader bench`` summarizes."""
+        if not self.categories:
+            return []
+        names = list(self.methods)
+        modelled = all(m.modelled_speedup is not None for m in self.methods.values())
+        lines = ["", "By category: " + ("modelled speedup (tokens/step)" if modelled else "tokens/step"), ""]
+        lines += ["| category | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        for category, stats in sorted(self.categories.items()):
+            cells = [
+                f"{s.modelled_speedup:.2f}x ({s.mean_accepted:.2f})" if modelled else f"{s.mean_accepted:.2f}"
+                for s in (stats[name] for name in names)
+            ]
+            lines.append(f"| {category} | " + " | ".join(cells) + " |")
+        if modelled:
+            means = [
+                sum(stats[name].modelled_speedup for stats in self.categories.values()) / len(self.categories)
+                for name in names
+            ]
+            lines.append("| **mean over categories** | " + " | ".join(f"{m:.2f}x" for m in means) + " |")
+        return lines
+
     def as_dict(self) -> dict:
         return {
             "settings": self.settings,
             "environment": self.environment,
             "methods": {name: s.as_dict() for name, s in self.methods.items()},
+            "categories": {
+                category: {name: s.as_dict() for name, s in stats.items()}
+                for category, stats in self.categories.items()
+            },
             "tasks": self.tasks,
         }
 
@@ -442,10 +482,21 @@ def run_replay(
                     )
                     task_totals[name].add(turn)
                 bar.update()
+            groups = [totals]
+            if conversation.category:
+                new = {name: MethodStats(method=name) for name in drafters}
+                groups.append(report.categories.setdefault(conversation.category, new))
             for name, stats in task_totals.items():
-                totals[name].add(stats)
-                totals[name].tasks += 1
-            report.tasks.append({"id": conversation.id, **{n: s.as_dict() for n, s in task_totals.items()}})
+                for group in groups:
+                    group[name].add(stats)
+                    group[name].tasks += 1
+            report.tasks.append(
+                {
+                    "id": conversation.id,
+                    "category": conversation.category,
+                    **{n: s.as_dict() for n, s in task_totals.items()},
+                }
+            )
             bar.set_postfix_str(" ".join(f"{n} {s.mean_accepted:.2f}" for n, s in totals.items()))
     report.settings["seconds"] = time.perf_counter() - started
     return report

@@ -67,12 +67,15 @@ class BenchReport:
     settings: dict
     prompts: list[PromptResult] = field(default_factory=list)
     batches: list[BatchResult] = field(default_factory=list)
+    recording: list[dict] = field(default_factory=list)
+    """``ar``'s answers at batch 1 as conversations, one per question (see :func:`recorded`)."""
 
     def markdown(self) -> str:
         return markdown(self.environment, self.settings, self.prompts, self.batches)
 
     def save(self, directory: Path) -> list[Path]:
-        """``results.json``, ``results.md`` and the plots, each written atomically; returns their paths."""
+        """``results.json``, ``results.md``, the plots and, after a batch-1 run, ``recording.jsonl`` (for
+        ``reader bench --replay``), each written atomically; returns their paths."""
         from reader_spec.bench.plots import render_plots
 
         directory.mkdir(parents=True, exist_ok=True)
@@ -88,6 +91,8 @@ class BenchReport:
             "results.md": (self.markdown() + "\n").encode(),
             **render_plots(self.prompts, self.batches, self.settings),
         }
+        if self.recording:
+            files["recording.jsonl"] = "".join(json.dumps(task) + "\n" for task in self.recording).encode()
         for name, data in files.items():
             write_atomic(directory / name, data)
         return [directory / name for name in files]
@@ -156,6 +161,7 @@ def run_bench(
             report.prompts = _batch_one(
                 built, loaded.tokenizer, questions, max_new_tokens, repeats, bar, answers
             )
+            report.recording = [recorded(q, answers[q]) for q in questions]
         if larger:
             # By an engine of its own: the timed engine that filled them ran its batches about 0.6%
             # slower than its twin (docs/runner.md, "Session 56"), which favoured every other method.
@@ -180,6 +186,18 @@ def turn_messages(question: Question, turn: int, answers: Sequence[str]) -> list
             {"role": "assistant", "content": answers[earlier]},
         ]
     return [*messages, {"role": "user", "content": question.turns[turn]}]
+
+
+def recorded(question: Question, answers: Sequence[str]) -> dict:
+    """A question and its answers as a replayable task (``reader bench --replay``): every turn's
+    messages, its id ``category-question_id`` and its category. An answer cut at ``max_new_tokens``
+    ends, once the chat template closes it, with an end-of-turn token the model did not write."""
+    messages = turn_messages(question, len(answers) - 1, answers[:-1])
+    return {
+        "id": f"{question.category}-{question.id}",
+        "category": question.category,
+        "messages": [*messages, {"role": "assistant", "content": answers[-1]}],
+    }
 
 
 def _batch_one(
