@@ -223,19 +223,20 @@ def test_replay_reports_each_category_and_their_mean_as_the_bench_does():
     long = conversation([1, 2, 3], [list(range(10, 18))], [4, 5])  # 8 tokens in 2 steps: 8 / 3.6
     categories = [(short, "coding"), (long, "coding"), (short, "qa"), (long, "")]
     tasks = [replace(task, category=category) for task, category in categories]
+    tasks.append(replace(short, turns=(), category="writing"))  # no turn: no step, no speedup
     oracle = Oracle(long.tokens.tolist())  # the short turn is the long one's beginning
     report = run_replay(tasks, {"oracle": oracle}, 4, progress=False, costs=costs)
     coding, qa = report.categories["coding"]["oracle"], report.categories["qa"]["oracle"]
-    assert set(report.categories) == {"coding", "qa"}  # the task without a category joins none
+    assert set(report.categories) == {"coding", "qa", "writing"}  # the task without one joins none
     assert (coding.tasks, coding.new_tokens, coding.steps) == (2, 12, 3) and qa.tasks == 1
     assert coding.modelled_speedup == pytest.approx(12 / 5.4)
     assert qa.modelled_speedup == pytest.approx(4 / 1.8)
-    assert report.methods["oracle"].tasks == 4 and [t["category"] for t in report.tasks] == [
-        "coding", "coding", "qa", ""
+    assert report.methods["oracle"].tasks == 5 and [t["category"] for t in report.tasks] == [
+        "coding", "coding", "qa", "", "writing"
     ]  # fmt: skip
     text = report.markdown()
     assert "| coding | 2.22x (4.00) |" in text and "| qa | 2.22x (4.00) |" in text
-    assert "| **mean over categories** | 2.22x |" in text
+    assert "| writing | - |" in text and "| **mean over categories** | 2.22x |" in text
     assert (
         "categories" in report.as_dict()
         and "By category" not in run_replay([short], {"oracle": oracle}, 4, progress=False).markdown()

@@ -329,6 +329,14 @@ def replay_turn(
     return stats
 
 
+def _category_cell(stats: MethodStats, modelled: bool) -> str:
+    """A category's tokens per step and, where modelled, its speedup first; '-' where it ran no step."""
+    if not stats.steps:
+        return "-"
+    tokens = f"{stats.mean_accepted:.2f}"
+    return f"{stats.modelled_speedup:.2f}x ({tokens})" if modelled else tokens
+
+
 def _describe(settings: Mapping[str, object]) -> str:
     """A drafter's settings on one line; ``priced`` says how its trees were sized."""
     rest = ", ".join(f"{key}={value}" for key, value in settings.items() if key != "priced")
@@ -387,7 +395,8 @@ class ReplayReport:
 
     def _category_lines(self) -> list[str]:
         """Tokens per step by category and, with costs, the modelled speedup (each category's plain
-        passes over its method's) and its mean over categories, as ``reader bench`` summarizes."""
+        passes over its method's) and its mean over the categories that ran steps, as ``reader bench``
+        summarizes."""
         if not self.categories:
             return []
         names = list(self.methods)
@@ -395,17 +404,14 @@ class ReplayReport:
         lines = ["", "By category: " + ("modelled speedup (tokens/step)" if modelled else "tokens/step"), ""]
         lines += ["| category | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
         for category, stats in sorted(self.categories.items()):
-            cells = [
-                f"{s.modelled_speedup:.2f}x ({s.mean_accepted:.2f})" if modelled else f"{s.mean_accepted:.2f}"
-                for s in (stats[name] for name in names)
-            ]
+            cells = [_category_cell(stats[name], modelled) for name in names]
             lines.append(f"| {category} | " + " | ".join(cells) + " |")
         if modelled:
-            means = [
-                sum(stats[name].modelled_speedup for stats in self.categories.values()) / len(self.categories)
-                for name in names
-            ]
-            lines.append("| **mean over categories** | " + " | ".join(f"{m:.2f}x" for m in means) + " |")
+            means = []
+            for name in names:
+                speedups = [c[name].modelled_speedup for c in self.categories.values() if c[name].steps]
+                means.append(f"{sum(speedups) / len(speedups):.2f}x" if speedups else "-")
+            lines.append("| **mean over categories** | " + " | ".join(means) + " |")
         return lines
 
     def as_dict(self) -> dict:
