@@ -15,6 +15,7 @@ from reader_spec.bench.results import (
     BatchResult,
     PromptResult,
     batch_speedup,
+    category_means,
     markdown,
     pooled_mean_accepted,
     question_speed,
@@ -126,6 +127,19 @@ def test_speedup_averages_per_question_speeds_like_spec_bench():
     assert rows["b", "m"].identical == 0.5 and rows["a", "m"].identical == 1.0
     assert rows["overall", "m"].identical == pytest.approx(2 / 3)
     assert rows["overall", "m"].questions == 2 and rows["overall", "m"].prompts == 3
+
+
+def test_the_mean_over_categories_weighs_categories_alike():
+    """Three questions 4x faster in one category and one question level in another: 2.5x in the mean
+    over categories, 2.8x overall (per-question speeds averaged over the four questions)."""
+    results = [result(q, "a", 0, "ar", seconds=2.0) for q in (1, 2, 3)]
+    results += [result(q, "a", 0, "m", seconds=0.5) for q in (1, 2, 3)]
+    results += [result(4, "b", 0, "ar", seconds=1.0), result(4, "b", 0, "m", seconds=1.0)]
+    rows = summarize(results)
+    assert category_means(rows) == {"ar": 1.0, "m": pytest.approx(2.5)}
+    overall = {r.method: r for r in rows if r.category == "overall"}
+    assert overall["m"].speedup == pytest.approx(17.5 / 6.25)
+    assert "| **mean over categories** |  | 2.50x |" in markdown({}, {}, results, [])
 
 
 def test_batch_speedup_pairs_each_repeat_with_ar_run_next_to_it():
@@ -415,6 +429,9 @@ def test_saved_files(report, tmp_path):
     assert payload["environment"]["forward"] == forward_fingerprint()
     assert len(payload["prompts"]) == TURNS * 4 and "accept_lengths" in payload["prompts"][0]
     assert {"speedup", "mean_accepted", "identical", "peak_rss_mib"} <= set(payload["summary"][0])
+    means = payload["mean_over_categories"]
+    assert set(means) == {"ar", "reader", "hf", "hf-pld"} and means["ar"] == 1.0
+    assert f"| **mean over categories** |  | {means['reader']:.2f}x |" in results_md
     assert payload["batches"][0]["tokens_per_second"] > 0
     text = (tmp_path / "out" / "results.md").read_text()
     assert "| **overall** |" in text and "| hf-pld | 2 | n/a" in text and "| reader | 2 |" in text

@@ -155,6 +155,16 @@ def _summary(category: str, method: str, mine: list[PromptResult], base: float) 
     )
 
 
+def category_means(rows: Iterable[Summary]) -> dict[str, float]:
+    """Each method's speedup averaged over categories, each category counting once whatever its number
+    of questions (Spec-Bench weighs its categories alike; ``overall`` weighs questions alike)."""
+    speedups: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        if row.category != OVERALL:
+            speedups[row.method].append(row.speedup)
+    return {method: statistics.fmean(values) for method, values in speedups.items()}
+
+
 def total_throughput(results: Iterable[PromptResult], method: str) -> float:
     """All new tokens over all seconds at batch 1: the batch-1 point of a throughput curve."""
     mine = [r for r in results if r.method == method]
@@ -230,6 +240,9 @@ def _category_table(rows: list[Summary]) -> list[str]:
         cells = [f"{cell[category, m].speedup:.2f}x ({cell[category, m].mean_accepted:.2f})" for m in methods]
         ar = cell[category, REFERENCE].tokens_per_second
         lines.append("| " + " | ".join([name, f"{ar:.1f}", *cells]) + " |")
+    means = category_means(rows)
+    cells = [f"{means[m]:.2f}x" for m in methods]
+    lines.append("| " + " | ".join(["**mean over categories**", "", *cells]) + " |")
     return lines
 
 
@@ -306,7 +319,8 @@ def _batch_table(batches: Sequence[BatchResult], sizes: list[int], settings: dic
 def _legend() -> list[str]:
     return [
         "speedup: tokens/s over ar's, tokens/s per question (both turns) averaged over questions "
-        "(Spec-Bench); in batches, whole-run throughput over ar's at the same batch size, each method "
+        "(Spec-Bench); mean over categories: the categories' speedups averaged, each category counting "
+        "once; in batches, whole-run throughput over ar's at the same batch size, each method "
         "timed over its own steps while the methods take turns of a tenth of a second (with repeats, "
         "the median of each repeat's ratio to ar's run of that repeat, who goes first alternating; "
         "tokens/s is the median run's; peak RSS with every method's caches resident). "

@@ -41,7 +41,14 @@ from reader_spec.bench.methods import (
     generate,
     method_names,
 )
-from reader_spec.bench.results import REFERENCE, BatchResult, PromptResult, markdown, summarize
+from reader_spec.bench.results import (
+    REFERENCE,
+    BatchResult,
+    PromptResult,
+    category_means,
+    markdown,
+    summarize,
+)
 from reader_spec.bench.spec_bench import Question, interleave_categories
 from reader_spec.config import SAMPLING_FIELDS, GenerationConfig
 from reader_spec.drafters.retrieval.datastore import Datastore
@@ -79,10 +86,12 @@ class BenchReport:
         from reader_spec.bench.plots import render_plots
 
         directory.mkdir(parents=True, exist_ok=True)
+        summary = summarize(self.prompts)
         payload = {
             "environment": self.environment,
             "settings": self.settings,
-            "summary": [vars(s) for s in summarize(self.prompts)],
+            "summary": [vars(s) for s in summary],
+            "mean_over_categories": category_means(summary),
             "prompts": [r.as_dict() for r in self.prompts],
             "batches": [b.as_dict() for b in self.batches],
         }
