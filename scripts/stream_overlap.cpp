@@ -7,7 +7,10 @@
 // to 8), from memory ("mem") and from a 768 KB buffer read again and again ("hot", in the L2
 // caches: the arithmetic alone). Where mem(R) stays near mem(1) while hot(R) < mem(1), arithmetic
 // overlaps the stream; where mem(R) grows with hot(R), the two add up, and every extra row of a
-// verification pass costs time.
+// verification pass costs time. "mem, 4 streams" reads each thread's share as 4 parts far apart, 128
+// bytes of each in turn (as a kernel would read 4 column blocks in lockstep): on a Zen 1 host a core
+// then keeps more of memory's requests in flight, and 1-3 rows took 10-20% less time than from one
+// stream (docs/runner.md, "Session 67").
 //
 //     g++ -O3 -march=native -fopenmp scripts/stream_overlap.cpp -o /tmp/stream_overlap
 //     OMP_NUM_THREADS=2 /tmp/stream_overlap        # prints fastest-of-5 milliseconds by R, 3 rounds
@@ -31,21 +34,26 @@ double seconds() {
   return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-// Every thread streams its share of w; each 8 floats are multiplied into R rows' sums.
-template <int R>
+// Every thread streams its share of w as S parts read in turn, 8 * kChains floats of each; each 8
+// floats are multiplied into R rows' sums.
+template <int R, int S>
 float stream(const float* w, long n, const float* x) {
   float total = 0;
 #pragma omp parallel reduction(+ : total)
   {
     const long begin = n * omp_get_thread_num() / omp_get_num_threads();
     const long end = n * (omp_get_thread_num() + 1) / omp_get_num_threads();
+    const long part = (end - begin) / S / (8 * kChains) * (8 * kChains);
     __m256 sums[R][kChains];
     for (auto& row : sums)
       for (auto& s : row) s = _mm256_setzero_ps();
-    for (long i = begin; i + 8 * kChains <= end; i += 8 * kChains) {
-      for (int c = 0; c < kChains; ++c) {
-        const __m256 weights = _mm256_load_ps(w + i + 8 * c);
-        for (int r = 0; r < R; ++r) sums[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r), weights, sums[r][c]);
+    for (long i = 0; i < part; i += 8 * kChains) {
+      for (int s = 0; s < S; ++s) {
+        const float* p = w + begin + s * part + i;
+        for (int c = 0; c < kChains; ++c) {
+          const __m256 weights = _mm256_load_ps(p + 8 * c);
+          for (int r = 0; r < R; ++r) sums[r][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r), weights, sums[r][c]);
+        }
       }
     }
     float lanes[8];
@@ -60,9 +68,13 @@ float stream(const float* w, long n, const float* x) {
 }
 
 using Stream = float (*)(const float*, long, const float*);
-constexpr Stream kStreams[] = {stream<1>, stream<2>, stream<3>, stream<4>, stream<5>, stream<6>, stream<7>, stream<8>};
+template <int S>
+constexpr Stream kByRows[] = {stream<1, S>, stream<2, S>, stream<3, S>, stream<4, S>,
+                              stream<5, S>, stream<6, S>, stream<7, S>, stream<8, S>};
 
-// Fastest of 5 of streaming kFloats floats at each R, from `w` of `size` floats (read kFloats / size times).
+// Fastest of 5 of streaming kFloats floats at each R, from `w` of `size` floats (read kFloats / size
+// times), as S streams a thread.
+template <int S>
 void row_times(const char* label, const float* w, long size, const float* x) {
   std::printf("%s", label);
   float sink = 0;
@@ -70,7 +82,7 @@ void row_times(const char* label, const float* w, long size, const float* x) {
     double best = 1e9;
     for (int round = 0; round < 5; ++round) {
       const double start = seconds();
-      for (long done = 0; done < kFloats; done += size) sink += kStreams[r](w, size, x);
+      for (long done = 0; done < kFloats; done += size) sink += kByRows<S>[r](w, size, x);
       best = std::min(best, seconds() - start);
     }
     std::printf(" %d:%.1f", r + 1, best * 1e3);
@@ -87,8 +99,9 @@ int main() {
   for (int r = 0; r < 8; ++r) x[r] = 0.5f + r;
   std::printf("%d threads; ms by rows R\n", omp_get_max_threads());
   for (int round = 0; round < 3; ++round) {
-    row_times("mem", w, kFloats, x);
-    row_times("hot", w, kHotFloats, x);
+    row_times<1>("mem", w, kFloats, x);
+    row_times<4>("mem, 4 streams", w, kFloats, x);
+    row_times<1>("hot", w, kHotFloats, x);
   }
   std::free(w);
 }
