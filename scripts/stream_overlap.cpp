@@ -8,9 +8,10 @@
 // caches: the arithmetic alone). Where mem(R) stays near mem(1) while hot(R) < mem(1), arithmetic
 // overlaps the stream; where mem(R) grows with hot(R), the two add up, and every extra row of a
 // verification pass costs time. "mem, 4 streams" reads each thread's share as 4 parts far apart, 128
-// bytes of each in turn (as a kernel would read 4 column blocks in lockstep): on a Zen 1 host a core
-// then keeps more of memory's requests in flight, and 1-3 rows took 10-20% less time than from one
-// stream (docs/runner.md, "Session 67").
+// bytes of each in turn (as a kernel would read 4 column blocks in lockstep; the sums are shared, so
+// this is no product): on a Zen 1 host a core then keeps more of memory's requests in flight, and 1-3
+// rows took 20-35% less time than from one stream (docs/runner.md, "Session 67"; exact products read
+// that way: scripts/lockstep_tiles.cpp).
 //
 //     g++ -O3 -march=native -fopenmp scripts/stream_overlap.cpp -o /tmp/stream_overlap
 //     OMP_NUM_THREADS=2 /tmp/stream_overlap        # prints fastest-of-5 milliseconds by R, 3 rounds
