@@ -36,7 +36,7 @@ import torch
 
 from reader_spec.engine import kernels
 from reader_spec.engine.host import longs
-from reader_spec.engine.layouts import BLOCK, INT8_GROUP, quantize_int8, to_groups
+from reader_spec.engine.layouts import BLOCK, INT8_GROUP, PANEL, quantize_int8, to_groups
 from reader_spec.engine.memory import PageArena
 from reader_spec.engine.timing import best_times
 from reader_spec.engine.tree import DraftTree
@@ -75,7 +75,8 @@ class GreedyHead:
 
     def __init__(self, head: PackedLinear):
         self.head = head
-        blocks, features, _ = head.weight.shape
+        panels, features, _ = head.weight.shape
+        blocks = panels * PANEL // BLOCK
         groups = -(-features // INT8_GROUP)
         self.quantized = PageArena(blocks * groups * BLOCK * INT8_GROUP).empty(
             (blocks, groups, BLOCK * INT8_GROUP), torch.uint8
@@ -85,7 +86,8 @@ class GreedyHead:
         self.slack = torch.empty(blocks * BLOCK, device="cpu")
         self.norms = torch.empty(blocks * BLOCK, device="cpu")
         for first in range(0, blocks, CHUNK_BLOCKS):
-            chunk = head.weight[first : first + CHUNK_BLOCKS]  # padding columns are zero: q 0, slack 0
+            panels_of_chunk = slice(first * BLOCK // PANEL, (first + CHUNK_BLOCKS) * BLOCK // PANEL)
+            chunk = head.weight[panels_of_chunk]  # padding columns are zero: q 0, slack 0
             plain = chunk.transpose(1, 2).reshape(-1, features)
             quantized, scales = quantize_int8(plain)
             columns = slice(first * BLOCK, first * BLOCK + plain.shape[0])

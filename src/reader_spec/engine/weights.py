@@ -2,8 +2,9 @@
 
 A verification pass multiplies between one and a few dozen rows by each matrix, where PyTorch's
 default ``F.linear`` takes slow paths on some CPUs (several times the bandwidth floor at 2 to 16
-rows). On a CPU, float32 matrices are stored in column blocks (``[out / 32, in, 32]``): each block is
-read from memory once and multiplied by every row of the pass. Two kernels read that layout, the
+rows). On a CPU, float32 matrices are stored in column blocks of 32, each as two panels of 16 columns
+(``[out / 16, in, 16]``, :func:`~reader_spec.engine.layouts.to_blocks`): each block is read from
+memory once and multiplied by every row of the pass. Two kernels read that layout, the
 compiled one of :mod:`reader_spec.engine.kernels` and PyTorch's batched matmul; which one runs for
 a given matrix shape and row count, and whether the compiled one requests its weights ahead of its
 multiply-adds (:class:`Kernel`), is decided by timing them once per process. Other devices and dtypes
@@ -45,6 +46,7 @@ from reader_spec.engine import kernels
 from reader_spec.engine.layouts import (
     BLOCK,
     INT8_GROUP,
+    PANEL,
     WEIGHT_GROUP,
     int4_fits,
     quantize_int4,
@@ -115,7 +117,8 @@ class Kernel(enum.IntEnum):
 class PackedLinear(nn.Module):
     """``F.linear(x, W, b)`` with ``W`` stored for the shapes the engine runs.
 
-    ``blocked``: ``weight`` is ``[blocks, in, 32]`` (CPU, float32; int8: :func:`to_groups`), else the
+    ``blocked``: ``weight`` is ``[blocks x 2, in, 16]`` (CPU, float32: :func:`to_blocks`; int8:
+    :func:`to_groups`), else the
     plain matrix. A fused matrix knows where its parts' outputs lie (``parts``: start and size of
     each), for :meth:`split`. ``scales`` (int8 weights): ``W = weight * scales`` per output row, one
     scale per stored row (blocked: padding rows included); the bias stays in the model's dtype.
@@ -204,9 +207,10 @@ class PackedLinear(nn.Module):
         return signed.reshape(blocks, groups * INT8_GROUP, BLOCK)[:, : self.in_features]
 
     def _unblock(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The batched matmul's ``[blocks, rows, 32]`` as ``x``'s rows of outputs, plus the bias."""
+        """The batched matmul's ``[blocks or panels, rows, columns]`` as ``x``'s rows of outputs, plus the
+        bias."""
         rows = out.shape[1]
-        out = out.transpose(0, 1).reshape(rows, self.weight.shape[0] * BLOCK)
+        out = out.transpose(0, 1).reshape(rows, out.shape[0] * out.shape[2])
         out = out[:, : self.out_features]
         if self.bias is not None:
             out = out + self.bias
@@ -258,7 +262,7 @@ class PackedLinear(nn.Module):
         where the kernels are built (a third of the indexing's time in a pass, docs/runner.md)."""
         if tokens.device.type == "cpu" and kernels.available():
             return torch.ops.reader_spec.blocked_rows(self.weight, tokens)
-        return self.weight[tokens // BLOCK, :, tokens % BLOCK]
+        return self.weight[tokens // PANEL, :, tokens % PANEL]
 
     def _grouped_matrix(self) -> torch.Tensor:
         """The whole matrix quantized per group, dequantized (``[out, in]`` in the model's dtype)."""
@@ -393,7 +397,8 @@ def pack_linears(
     whole = PackedLinear(fused, bias, in_features, sum(stored), blocked, part_sizes, fused_scales, weights)
     views = []
     for start, size, room in zip(starts, sizes, stored, strict=True):
-        rows = slice(start // BLOCK, (start + room) // BLOCK) if blocked else slice(start, start + size)
+        unit = BLOCK if quantize else PANEL  # float32 blocks are stored as panels
+        rows = slice(start // unit, (start + room) // unit) if blocked else slice(start, start + size)
         part_bias = None if bias is None else bias[start : start + size]
         part_scales = None
         if fused_scales is not None:  # grouped scales go by block (blocked) or row, int8's by column
@@ -534,7 +539,7 @@ def _time_reading_ahead(same_pass: Sequence[torch.Tensor], rows: int) -> bool:
 
         def stream(ahead: bool) -> Callable[[], None]:
             return lambda: [
-                blocked_linear(inputs[w.shape[1]], w, None, w.shape[0] * BLOCK, ahead) for w in same_pass
+                blocked_linear(inputs[w.shape[1]], w, None, w.shape[0] * PANEL, ahead) for w in same_pass
             ]
 
         without, ahead = best_times([stream(False), stream(True)])
@@ -548,7 +553,7 @@ def _time_kernels(weights: Sequence[torch.Tensor], rows: int) -> Kernel:
     Inputs come from a private generator: the first pass of a process must not move the caller's
     random state (seeded sampling)."""
     blocked_linear = torch.ops.reader_spec.blocked_linear
-    out_features = weights[0].shape[0] * BLOCK
+    out_features = weights[0].shape[0] * PANEL
     compute_bound = rows >= COMPUTE_BOUND_ROWS
     timed = weights[:1] if compute_bound else weights
     generator = torch.Generator().manual_seed(0)

@@ -28,6 +28,9 @@ HEADERS = [Path(__file__).with_name("kernels.h")]
 """What the sources include: part of what identifies a build."""
 BLOCK = 32
 """Output columns per weight block; must match ``kBlock`` in the source."""
+PANEL = 16
+"""Output columns per panel of a float32 block (two panels a block, one 64-byte line of each per k);
+must match ``kPanel`` in ``kernels.h``."""
 WEIGHT_GROUP = 32
 """Inputs per scale (and minimum) of weights quantized per group; must match ``kWeightGroup`` in
 ``kernels.h``."""

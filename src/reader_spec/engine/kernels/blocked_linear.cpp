@@ -1,4 +1,5 @@
-// y = x @ W.T (+ bias) for a few rows of x, with W stored in column blocks: w[b, k, c] = W[32 b + c, k].
+// y = x @ W.T (+ bias) for a few rows of x, with W stored in column blocks of two panels:
+// w[2 b + h, k, c] = W[32 b + 16 h + c, k].
 //
 // A verification pass multiplies 1 to ~64 rows by every weight matrix: bandwidth-bound below ~10 rows,
 // compute-bound above. Each block of 32 output columns is read once from memory, kept in L2 (or, a
@@ -28,7 +29,9 @@ namespace {
 using reader_spec::load;
 using reader_spec::Vec16;
 
+using reader_spec::check_panels;
 using reader_spec::kBlock;
+using reader_spec::kPanel;
 // How far ahead in a block a tile requests its weights, where it requests at all (the caller's `ahead`,
 // timed per matrix shape and row count: weights.py). The requests fill L2 only (prefetcht2): into L1
 // they would hold the few fill buffers that the hardware's own prefetcher streams through. On an
@@ -78,23 +81,24 @@ struct NextBlock {
   int64_t step = 0;
 };
 
-// R rows of x times one block of 32 columns. `columns`: how many of its 32 columns exist (only the
-// matrix's last block may be partial). Each column's sum is the same sequence of operations whatever R
-// is: it only decides how many independent sums are in flight.
+// R rows of x times one block of 32 columns, its two panels read side by side. `columns`: how many of
+// its 32 columns exist (only the matrix's last block may be partial). Each column's sum is the same
+// sequence of operations whatever R is: it only decides how many independent sums are in flight.
 template <int R>
 void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y, int64_t ldy,
           int64_t columns, const NextBlock& next, bool ahead) {
   Vec16 sums[R][2];
   for (int r = 0; r < R; ++r) sums[r][0] = sums[r][1] = Vec16{};
+  const float* second_panel = w + k_size * kPanel;
   for (int64_t k = 0; k < k_size; ++k) {
     if (next.bytes != nullptr) __builtin_prefetch(next.bytes + ((k * next.step) >> 16), 0, kNextBlockLocality);
-    const float* w_k = w + k * kBlock;
-    if (ahead) {  // see kAheadBytes
-      const char* bytes = reinterpret_cast<const char*>(w_k);
-      __builtin_prefetch(bytes + kAheadBytes, 0, 1);
-      __builtin_prefetch(bytes + kAheadBytes + 64, 0, 1);
+    const float* low_k = w + k * kPanel;
+    const float* high_k = second_panel + k * kPanel;
+    if (ahead) {  // see kAheadBytes: as far ahead in k as when a block's k step was two adjacent lines
+      __builtin_prefetch(reinterpret_cast<const char*>(low_k) + kAheadBytes / 2, 0, 1);
+      __builtin_prefetch(reinterpret_cast<const char*>(high_k) + kAheadBytes / 2, 0, 1);
     }
-    const Vec16 low = load(w_k), high = load(w_k + 16);  // columns 0..15 and 16..31
+    const Vec16 low = load(low_k), high = load(high_k);  // columns 0..15 and 16..31
     for (int r = 0; r < R; ++r) {
       const float value = x[r * ldx + k];
       sums[r][0] += value * low;
@@ -113,8 +117,8 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const flo
 }
 
 #if !defined(__AVX512F__) && defined(__AVX__)
-// A product of more than kStreamRows rows on AVX2 (half_blocks): its tiles take turns over one half of
-// the block's columns at a time, each over all of k with its sums in registers, reading the half from
+// A product of more than kStreamRows rows on AVX2 (half_blocks): its tiles take turns over one panel of
+// the block at a time, each over all of k with its sums in registers, reading the half from
 // L2 (the block's first tile from memory), while their multiply-add steps request the thread's next
 // block a line at a time, spread evenly over the block's steps of all tiles. So memory is read at the pace
 // of the arithmetic all the time, not by the first tile of a block alone: the next block requested in
@@ -126,7 +130,6 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const flo
 // last block requests nothing: past it lie another thread's blocks, or the end of the matrix (a block's
 // worth of requests past the end made a product of 7 blocks 3.5x slower on that host). These products
 // make their own requests: the caller's `ahead` does not apply.
-constexpr int kHalf = kBlock / 2;
 
 // The next block's lines, one requested every (65536 / step) multiply-add steps: line (step x i) / 65536
 // at the block's i-th step, counted over all its tiles and halves.
@@ -136,20 +139,20 @@ struct LineRequests {
   int64_t first;  // the count of this tile's first step in this half
 };
 
-// R rows times one half-block (`count` of its 16 columns exist), plus bias: per k two weight vectors,
+// R rows times one panel (`count` of its 16 columns exist), plus bias: per k two weight vectors,
 // R broadcasts and 2R multiply-adds (12 sums + 2 weights + 1 broadcast of the 16 registers at 6 rows).
 // Each column's sum is the same sequence of operations as in `tile`.
 template <int R>
 void half_block(const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y, int64_t ldy,
                 int64_t count, const LineRequests& requests) {
   using reader_spec::FloatPart;
-  constexpr int kPart = kHalf / 2;
+  constexpr int kPart = kPanel / 2;
   FloatPart sums[R][2] = {};
   for (int64_t k = 0; k < k_size; ++k) {
     if (requests.bytes != nullptr) {
       __builtin_prefetch(requests.bytes + (((requests.first + k) * requests.step) >> 16) * 64, 0, kNextBlockLocality);
     }
-    const float* w_k = w + k * kBlock;
+    const float* w_k = w + k * kPanel;
     FloatPart low, high;
     std::memcpy(&low, w_k, sizeof(low));
     std::memcpy(&high, w_k + kPart, sizeof(high));
@@ -164,7 +167,7 @@ void half_block(const float* x, int64_t ldx, const float* w, int64_t k_size, con
     }
   }
   for (int r = 0; r < R; ++r) {
-    float out[kHalf];
+    float out[kPanel];
     std::memcpy(out, sums[r], sizeof(out));
     if (bias != nullptr) {
       for (int64_t c = 0; c < count; ++c) out[c] += bias[c];  // after the sum, as in `tile`
@@ -183,23 +186,23 @@ void rows_half_block(int rows, const float* x, int64_t ldx, const float* w, int6
   half_block<R>(x, ldx, w, k_size, bias, y, ldy, count, requests);
 }
 
-// y = the tiles' rows x one block, a half at a time, every tile of [first_tile, last_tile) over it in
-// turn (the half's lines stay in L1 and L2 between tiles), requesting `next_block` meanwhile.
+// y = the tiles' rows x one block, a panel at a time, every tile of [first_tile, last_tile) over it in
+// turn (the panel's lines stay in L1 and L2 between tiles), requesting `next_block` meanwhile.
 void half_blocks(const std::vector<int>& sizes, const std::vector<int64_t>& starts, int64_t first_tile,
                  int64_t last_tile, const float* x_data, int64_t k_size, const float* w, const float* bias,
                  float* y_data, int64_t ldy, int64_t columns, const char* next_block) {
-  const int halves = columns > kHalf ? 2 : 1;
+  const int halves = columns > kPanel ? 2 : 1;
   const int64_t tiles = last_tile - first_tile;
   const int64_t lines = k_size * kBlock * static_cast<int64_t>(sizeof(float)) / 64;
   LineRequests requests{next_block, (lines << 16) / (halves * tiles * k_size), 0};
   for (int half = 0; half < halves; ++half) {
-    const int64_t count = std::min<int64_t>(kHalf, columns - half * kHalf);
+    const int64_t count = std::min<int64_t>(kPanel, columns - half * kPanel);
     for (int64_t t = 0; t < tiles; ++t) {
       requests.first = (half * tiles + t) * k_size;
       const int64_t start = starts[first_tile + t];
-      rows_half_block(sizes[first_tile + t], x_data + start * k_size, k_size, w + half * kHalf, k_size,
-                      bias == nullptr ? nullptr : bias + half * kHalf, y_data + start * ldy + half * kHalf, ldy, count,
-                      requests);
+      rows_half_block(sizes[first_tile + t], x_data + start * k_size, k_size, w + half * k_size * kPanel, k_size,
+                      bias == nullptr ? nullptr : bias + half * kPanel, y_data + start * ldy + half * kPanel, ldy,
+                      count, requests);
     }
   }
 }
@@ -302,10 +305,8 @@ namespace {
 
 at::Tensor blocked_linear(const at::Tensor& input, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                           int64_t out_features, bool ahead) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 3 &&
-                  weight.size(2) == kBlock && weight.is_contiguous(),
-              "blocked_linear: the weight must be contiguous float32 [blocks, K, 32] on the CPU");
-  TORCH_CHECK(out_features <= weight.size(0) * kBlock, "blocked_linear: out_features exceeds the weight's blocks");
+  check_panels(weight, "blocked_linear");
+  TORCH_CHECK(out_features <= weight.size(0) * kPanel, "blocked_linear: out_features exceeds the weight's blocks");
   const int64_t k_size = weight.size(1);
   return reader_spec::rows_product("blocked_linear", input, bias, k_size, out_features,
                                    [&](const float* x, int64_t rows, const float* b, float* y) {
@@ -315,28 +316,26 @@ at::Tensor blocked_linear(const at::Tensor& input, const at::Tensor& weight, con
 }
 
 // Rows of the plain matrix, W[token] (an embedding lookup in an output layer it is tied to): each is
-// a column of its block, one float per k, 128 bytes apart. One loop over k for all tokens reads them
+// a column of its panel, one float per k, 64 bytes apart. One loop over k for all tokens reads them
 // as interleaved strided streams: a pass's lookup of 8 tokens took 100-115 us against 260-310 us
 // through PyTorch's indexing (division, remainder, an indexed gather: docs/runner.md, "Session 46").
 at::Tensor blocked_rows(const at::Tensor& weight, const at::Tensor& tokens) {
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 3 &&
-                  weight.size(2) == kBlock && weight.is_contiguous(),
-              "blocked_rows: the weight must be contiguous float32 [blocks, K, 32] on the CPU");
+  check_panels(weight, "blocked_rows");
   TORCH_CHECK(tokens.device().is_cpu() && tokens.scalar_type() == at::kLong, "blocked_rows: tokens must be CPU longs");
   const at::Tensor flat = tokens.contiguous().view(-1);
-  const int64_t count = flat.numel(), k_size = weight.size(1), rows = weight.size(0) * kBlock;
+  const int64_t count = flat.numel(), k_size = weight.size(1), rows = weight.size(0) * kPanel;
   const int64_t* token = flat.data_ptr<int64_t>();
   std::vector<const float*> columns(count);
   for (int64_t i = 0; i < count; ++i) {
     TORCH_CHECK(token[i] >= 0 && token[i] < rows, "blocked_rows: token ", token[i], " outside the ", rows, " rows");
-    columns[i] = weight.data_ptr<float>() + (token[i] / kBlock * k_size) * kBlock + token[i] % kBlock;
+    columns[i] = weight.data_ptr<float>() + (token[i] / kPanel * k_size) * kPanel + token[i] % kPanel;
   }
   std::vector<int64_t> shape(tokens.sizes().begin(), tokens.sizes().end());
   shape.push_back(k_size);
   at::Tensor out = at::empty(shape, weight.options());
   float* y = out.data_ptr<float>();
   for (int64_t k = 0; k < k_size; ++k) {
-    for (int64_t i = 0; i < count; ++i) y[i * k_size + k] = columns[i][k * kBlock];
+    for (int64_t i = 0; i < count; ++i) y[i * k_size + k] = columns[i][k * kPanel];
   }
   return out;
 }

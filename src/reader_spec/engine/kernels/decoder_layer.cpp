@@ -57,27 +57,31 @@ struct Linear : torch::CustomClassHolder {
     TORCH_CHECK(quantized == (scales.has_value() && scales->defined()),
                 "Linear: int8 and grouped weights need scales, float32 none");
     const bool grouped = quantized && scales->scalar_type() == at::kShort;  // float16 bits
-    int64_t depth = in_features, width = 32;
+    int64_t depth = in_features, width = reader_spec::kPanel, columns_per_row = reader_spec::kPanel;
     if (grouped) {
       TORCH_CHECK(in_features % reader_spec::kWeightGroup == 0, "Linear: grouped weights need in % 32 == 0");
       TORCH_CHECK(this->weight.dim() == 3, "Linear: grouped weights are [blocks, in / 32, bytes per group]");
       group_bits = reader_spec::weight_group_bits(this->weight.size(2));
       depth = in_features / reader_spec::kWeightGroup;
       width = this->weight.size(2);
+      columns_per_row = reader_spec::kBlock;
     } else if (quantized) {
       depth = (in_features + reader_spec::kIntegerGroup - 1) / reader_spec::kIntegerGroup;
-      width = 32 * reader_spec::kIntegerGroup;
+      width = reader_spec::kBlock * reader_spec::kIntegerGroup;
+      columns_per_row = reader_spec::kBlock;
     }
     TORCH_CHECK(this->weight.device().is_cpu() && this->weight.dim() == 3 && this->weight.size(1) == depth &&
                     this->weight.size(2) == width && this->weight.is_contiguous(),
-                "Linear: the weight must be a contiguous CPU [blocks, in, 32] (int8: [blocks, ceil(in / 4), 128], "
-                "grouped: [blocks, in / 32, 512 or 1024])");
+                "Linear: the weight must be a contiguous CPU [blocks x 2, in, 16] (int8: [blocks, ceil(in / 4), "
+                "128], grouped: [blocks, in / 32, 512 or 1024])");
     TORCH_CHECK(quantized || this->weight.scalar_type() == at::kFloat, "Linear: float32, int8 or grouped weights");
-    TORCH_CHECK(out_features <= this->weight.size(0) * 32, "Linear: out_features exceeds the blocks");
+    TORCH_CHECK(quantized || this->weight.size(0) % reader_spec::kPanelsPerBlock == 0,
+                "Linear: float32 weights are whole blocks of two panels");
+    TORCH_CHECK(out_features <= this->weight.size(0) * columns_per_row, "Linear: out_features exceeds the blocks");
     if (quantized) {
       this->scales = scales->contiguous();
       const int64_t expected = grouped ? this->weight.size(0) * depth * reader_spec::weight_group_halves(group_bits)
-                                       : this->weight.size(0) * 32;
+                                       : this->weight.size(0) * reader_spec::kBlock;
       TORCH_CHECK((grouped || this->scales.scalar_type() == at::kFloat) && this->scales.numel() >= expected,
                   "Linear: one float32 scale per stored column (int8) or float16 scales (and minimums) per group "
                   "(grouped)");
@@ -88,6 +92,9 @@ struct Linear : torch::CustomClassHolder {
                   "Linear: one float32 bias per output");
     }
   }
+
+  // Column blocks of a float32 matrix (two panels each): the units a team's members share out.
+  int64_t blocks() const { return weight.size(0) / reader_spec::kPanelsPerBlock; }
 
   // Whether `kernel` is the float32 compiled product, which a caller can split itself (Product).
   bool splits(int64_t kernel) const { return kernel != 0 && !scales.defined(); }
@@ -414,7 +421,7 @@ struct DecoderLayer : torch::CustomClassHolder {
     float* stream = buffers.streams[member.first];
     float* normed = buffers.normed[member.first];
     reader_spec::add_rms_norm_rows(stream, delta, input_norm.data_ptr<float>(), epsilon, tokens, features, normed);
-    const auto [qkv_first, qkv_last] = member.share(qkv->weight.size(0));
+    const auto [qkv_first, qkv_last] = member.share(qkv->blocks());
     qkv->share(normed, tokens, buffers.projected, kernels[0]).multiply(qkv_first, qkv_last);
     member.wait();
     const auto [token_first, token_last] = member.share(tokens);
@@ -427,7 +434,7 @@ struct DecoderLayer : torch::CustomClassHolder {
                                 buffers.attended);
     }
     member.wait();
-    const auto [output_first, output_last] = member.share(output->weight.size(0));
+    const auto [output_first, output_last] = member.share(output->blocks());
     output->share(buffers.attended, tokens, buffers.out, kernels[1]).multiply(output_first, output_last);
     member.wait();
     reader_spec::add_rms_norm_rows(stream, buffers.out, mlp_norm.data_ptr<float>(), epsilon, tokens, features,
@@ -435,7 +442,7 @@ struct DecoderLayer : torch::CustomClassHolder {
     const auto [pair_first, pair_last] = member.share(gate_up_pairs());
     gate_and_up(normed, tokens, pair_first, pair_last, kernels[2], buffers.gated, buffers.activated);
     member.wait();
-    const auto [down_first, down_last] = member.share(down->weight.size(0));
+    const auto [down_first, down_last] = member.share(down->blocks());
     down->share(buffers.activated, tokens, buffers.out, kernels[3]).multiply(down_first, down_last);
     member.wait();
   }

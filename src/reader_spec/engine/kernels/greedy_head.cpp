@@ -210,9 +210,9 @@ std::tuple<at::Tensor, bool, int64_t> greedy_tokens(const at::Tensor& hidden, co
                          const at::Tensor& scales, const at::Tensor& slack, const at::Tensor& col_norm,
                          int64_t out_features, const c10::optional<at::Tensor>& parents,
                          const c10::optional<at::Tensor>& drafted) {
-  check(weight, at::kFloat, "weight must be a contiguous float32 [blocks, K, 32]");
-  TORCH_CHECK(weight.dim() == 3 && weight.size(2) == kBlock, "greedy_tokens: weight must be [blocks, K, 32]");
-  const int64_t blocks = weight.size(0), k_size = weight.size(1), groups = (k_size + kGroup - 1) / kGroup;
+  reader_spec::check_panels(weight, "greedy_tokens");
+  const int64_t blocks = weight.size(0) / reader_spec::kPanelsPerBlock, k_size = weight.size(1);
+  const int64_t groups = (k_size + kGroup - 1) / kGroup;
   check(weight_int8, at::kByte, "the int8 copy must be contiguous uint8 (w + 128)");
   TORCH_CHECK(weight_int8.dim() == 3 && weight_int8.size(0) == blocks && weight_int8.size(1) == groups &&
                   weight_int8.size(2) == kBlock * kGroup,

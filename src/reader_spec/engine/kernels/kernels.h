@@ -167,11 +167,23 @@ inline Vec16 opaque(Vec16 v) {
   return v;
 }
 
-// Columns per block of a packed matrix ([blocks, k_size, 32] floats, or bytes in the quantized layouts).
+// Columns per block of a packed matrix: the columns a kernel multiplies at a time.
 constexpr int64_t kBlock = 32;
+// Columns per panel of a float32 block: a block is two panels side by side ([2, k_size, 16] floats, the
+// quantized layouts keep [k, 32] bytes), each k of a panel one 64-byte line, so that a core reads a
+// block as two streams (layouts.to_blocks).
+constexpr int64_t kPanel = 16;
+constexpr int64_t kPanelsPerBlock = kBlock / kPanel;
+
+// That `weight` is a float32 matrix in column blocks of two panels on the CPU, or a clear error.
+inline void check_panels(const at::Tensor& weight, const char* op) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.dim() == 3 &&
+                  weight.size(0) % kPanelsPerBlock == 0 && weight.size(2) == kPanel && weight.is_contiguous(),
+              op, ": the weight must be contiguous float32 [blocks x 2, K, 16] on the CPU");
+}
 
 // y = x @ W.T (+ bias) for `rows` rows of x side by side (`k_size` floats each), W in column blocks
-// ([blocks, k_size, 32]). `ahead`: request each block's weights into L2 a few KB ahead of the
+// of two panels ([blocks x 2, k_size, 16]). `ahead`: request each block's weights into L2 a few KB ahead of the
 // multiply-adds, where the hardware's prefetcher alone does not keep the memory busy (timed per shape
 // and row count by the caller).
 void blocked_product(const float* x, int64_t rows, const float* weight, int64_t k_size, const float* bias, float* y,
