@@ -8,7 +8,7 @@ from torch import nn
 
 import reader_spec.engine.weights as weights
 from reader_spec.engine import kernels
-from reader_spec.engine.layouts import int4_fits
+from reader_spec.engine.layouts import int4_fits, to_blocks
 from reader_spec.engine.weights import PackedLinear, pack_linears
 
 TOL = 1e-5
@@ -71,10 +71,32 @@ def test_a_packed_module_saves_and_looks_up_the_plain_matrix():
     packed, _ = pack_linears([module])
     state = packed.state_dict()
     assert torch.equal(state["weight"], weight) and torch.equal(state["bias"], bias)
-    tokens = torch.tensor([0, 31, 32, 95, 7])
+    tokens = torch.tensor([0, 31, 32, 95, 7, 15, 16, 48])  # either panel of a block
     assert torch.equal(packed.rows_of(tokens), weight[tokens])
-    assert torch.equal(packed.rows_of(tokens.view(1, 5)), weight[tokens][None])  # [batch, tokens] as well
+    batched = tokens.view(2, 4)  # [batch, tokens] as well
+    assert torch.equal(packed.rows_of(batched), weight[tokens].view(2, 4, 40))
     assert torch.equal(packed.rows_of(tokens[:0]), weight[:0])
+
+
+def test_float32_blocks_are_stored_as_two_panels_of_16_columns():
+    """``w[2 b + h, k, c] = W[32 b + 16 h + c, k]``, zero past the matrix: what every kernel reads."""
+    weight = torch.arange(40 * 3, dtype=torch.float32).view(40, 3) + 1
+    blocks = to_blocks(weight, 64)
+    assert blocks.shape == (4, 3, 16)
+    for column in (0, 7, 15, 16, 31, 32, 39):
+        block, panel, within = column // 32, column % 32 // 16, column % 16
+        assert torch.equal(blocks[2 * block + panel, :, within], weight[column])
+    assert (blocks[2, :, 8:] == 0).all() and (blocks[3] == 0).all()
+
+
+def test_the_compiled_product_refuses_a_matrix_in_another_layout():
+    if not kernels.available():
+        pytest.fail("the compiled kernels must build on this machine (make builds them)")
+    x = torch.randn(2, 40)
+    wrong = (torch.zeros(2, 40, 32), torch.zeros(3, 40, 16), torch.zeros(4, 40, 16, dtype=torch.float64))
+    for weight in wrong:  # blocks of 32 columns, half a block, float64
+        with pytest.raises(RuntimeError, match=r"contiguous float32 \[blocks x 2, K, 16\] on the CPU"):
+            torch.ops.reader_spec.blocked_linear(x, weight, None, 32)
 
 
 def test_the_compiled_lookup_refuses_a_token_outside_the_matrix():

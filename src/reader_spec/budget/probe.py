@@ -18,7 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from reader_spec.engine import kernels
-from reader_spec.engine.layouts import BLOCK, to_blocks
+from reader_spec.engine.layouts import BLOCK, PANEL, to_blocks
 from reader_spec.engine.runner import ModelRunner, max_context_of, synchronizer, text_config
 from reader_spec.engine.tree import DraftTree
 from reader_spec.engine.weights import ROW_BUCKETS, PackedLinear
@@ -204,11 +204,11 @@ class FloorProbe:
             compiled = torch.ops.reader_spec.blocked_linear
             # The buffer read as a one-row pass reads a matrix, either way (the product streams in
             # order and prefetches, a sum does not).
-            blocks = buffer[: buffer.numel() // (size * BLOCK) * size * BLOCK].view(-1, size, BLOCK)
+            blocks = buffer[: buffer.numel() // (size * BLOCK) * size * BLOCK].view(-1, size, PANEL)
             row = torch.ones(1, size, device="cpu")
             for key, ahead in ((2, False), (-2, True)):
                 self.reads[key] = (
-                    functools.partial(compiled, row, blocks, None, blocks.shape[0] * BLOCK, ahead),
+                    functools.partial(compiled, row, blocks, None, blocks.shape[0] * PANEL, ahead),
                     blocks.numel() * 4,
                 )
             blocked, x = to_blocks(a, size), torch.ones(rows, size, device="cpu")

@@ -46,21 +46,23 @@ constexpr int kMaxRows = 12;  // 24 accumulators + 2 weight vectors of the 32 zm
 constexpr int kWholeBlockRows = kMaxRows;
 #else
 // AVX2 (16 ymm registers, each Vec16 two of them): a whole block holds 3 rows of sums (12 registers
-// and the weights, reloaded for every row); a product of more than kStreamRows rows takes one half of
-// each block at a time instead (half_blocks), up to 6 rows of 16 sums, each weight loaded once
+// and the weights, reloaded for every row); a product of more than kStreamRows rows takes one panel of
+// each block at a time instead (panel_tiles), up to 6 rows of 16 sums, each weight loaded once
 // for all rows.
 constexpr int kMaxRows = 6;
 constexpr int kStreamTileRows = 3;
 #ifdef __AVX__
 constexpr int kWholeBlockRows = kStreamTileRows;
 #else
-constexpr int kWholeBlockRows = kMaxRows;  // no half-block tiles: whole-block tiles of every size
+constexpr int kWholeBlockRows = kMaxRows;  // no panel tiles: whole-block tiles of every size
 #endif
 // Up to this many rows a product is bound by reading its matrix more than by its arithmetic: there
-// whole-block tiles of at most 3 rows, the first reading the block from memory in order, beat a
-// half-block tile, which reads it as every other cache line (a Zen 3 host, the default model's layer
-// products: 5-7 rows 5-11% faster, 8 rows level, 9-12 rows 4-19% slower; docs/runner.md).
-constexpr int kStreamRows = 7;
+// whole-block tiles of at most 3 rows, the first reading both panels from memory, beat panel tiles.
+// From 7 rows on, tiles of a panel (4 + 3 rows) make passes about 8% cheaper than whole-block tiles
+// (3 + 2 + 2) on a Zen 1 host (docs/runner.md, "Session 68"). Before blocks were stored as panels, a
+// half-block tile read every other cache line, and 7 rows ran 5-11% faster in whole-block tiles on a
+// Zen 3 host.
+constexpr int kStreamRows = 6;
 #endif
 
 // The share of the next block a tile brings into the caches while it multiplies this one from L2: the bytes
@@ -117,8 +119,8 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const flo
 }
 
 #if !defined(__AVX512F__) && defined(__AVX__)
-// A product of more than kStreamRows rows on AVX2 (half_blocks): its tiles take turns over one panel of
-// the block at a time, each over all of k with its sums in registers, reading the half from
+// A product of more than kStreamRows rows on AVX2 (panel_tiles): its tiles take turns over one panel of
+// the block at a time, each over all of k with its sums in registers, reading the panel from
 // L2 (the block's first tile from memory), while their multiply-add steps request the thread's next
 // block a line at a time, spread evenly over the block's steps of all tiles. So memory is read at the pace
 // of the arithmetic all the time, not by the first tile of a block alone: the next block requested in
@@ -132,18 +134,18 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const flo
 // make their own requests: the caller's `ahead` does not apply.
 
 // The next block's lines, one requested every (65536 / step) multiply-add steps: line (step x i) / 65536
-// at the block's i-th step, counted over all its tiles and halves.
+// at the block's i-th step, counted over all its tiles and panels.
 struct LineRequests {
   const char* bytes;  // nullptr: nothing to request (the thread's last block)
   int64_t step;
-  int64_t first;  // the count of this tile's first step in this half
+  int64_t first;  // the count of this tile's first step in this panel
 };
 
 // R rows times one panel (`count` of its 16 columns exist), plus bias: per k two weight vectors,
 // R broadcasts and 2R multiply-adds (12 sums + 2 weights + 1 broadcast of the 16 registers at 6 rows).
 // Each column's sum is the same sequence of operations as in `tile`.
 template <int R>
-void half_block(const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y, int64_t ldy,
+void panel_tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y, int64_t ldy,
                 int64_t count, const LineRequests& requests) {
   using reader_spec::FloatPart;
   constexpr int kPart = kPanel / 2;
@@ -176,32 +178,32 @@ void half_block(const float* x, int64_t ldx, const float* w, int64_t k_size, con
   }
 }
 
-// half_block for `rows` (at most kMaxRows) rows.
+// panel_tile for `rows` (at most kMaxRows) rows.
 template <int R = kMaxRows>
-void rows_half_block(int rows, const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y,
+void rows_panel_tile(int rows, const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y,
                      int64_t ldy, int64_t count, const LineRequests& requests) {
   if constexpr (R > 1) {
-    if (rows < R) return rows_half_block<R - 1>(rows, x, ldx, w, k_size, bias, y, ldy, count, requests);
+    if (rows < R) return rows_panel_tile<R - 1>(rows, x, ldx, w, k_size, bias, y, ldy, count, requests);
   }
-  half_block<R>(x, ldx, w, k_size, bias, y, ldy, count, requests);
+  panel_tile<R>(x, ldx, w, k_size, bias, y, ldy, count, requests);
 }
 
 // y = the tiles' rows x one block, a panel at a time, every tile of [first_tile, last_tile) over it in
 // turn (the panel's lines stay in L1 and L2 between tiles), requesting `next_block` meanwhile.
-void half_blocks(const std::vector<int>& sizes, const std::vector<int64_t>& starts, int64_t first_tile,
+void panel_tiles(const std::vector<int>& sizes, const std::vector<int64_t>& starts, int64_t first_tile,
                  int64_t last_tile, const float* x_data, int64_t k_size, const float* w, const float* bias,
                  float* y_data, int64_t ldy, int64_t columns, const char* next_block) {
-  const int halves = columns > kPanel ? 2 : 1;
+  const int panels = columns > kPanel ? 2 : 1;
   const int64_t tiles = last_tile - first_tile;
   const int64_t lines = k_size * kBlock * static_cast<int64_t>(sizeof(float)) / 64;
-  LineRequests requests{next_block, (lines << 16) / (halves * tiles * k_size), 0};
-  for (int half = 0; half < halves; ++half) {
-    const int64_t count = std::min<int64_t>(kPanel, columns - half * kPanel);
+  LineRequests requests{next_block, (lines << 16) / (panels * tiles * k_size), 0};
+  for (int panel = 0; panel < panels; ++panel) {
+    const int64_t count = std::min<int64_t>(kPanel, columns - panel * kPanel);
     for (int64_t t = 0; t < tiles; ++t) {
-      requests.first = (half * tiles + t) * k_size;
+      requests.first = (panel * tiles + t) * k_size;
       const int64_t start = starts[first_tile + t];
-      rows_half_block(sizes[first_tile + t], x_data + start * k_size, k_size, w + half * k_size * kPanel, k_size,
-                      bias == nullptr ? nullptr : bias + half * kPanel, y_data + start * ldy + half * kPanel, ldy,
+      rows_panel_tile(sizes[first_tile + t], x_data + start * k_size, k_size, w + panel * k_size * kPanel, k_size,
+                      bias == nullptr ? nullptr : bias + panel * kPanel, y_data + start * ldy + panel * kPanel, ldy,
                       count, requests);
     }
   }
@@ -277,7 +279,7 @@ void Product::multiply(int64_t begin, int64_t end) const {
 #if !defined(__AVX512F__) && defined(__AVX__)
       if (rows_ > kStreamRows) {
         const char* next_block = b + 1 < end ? reinterpret_cast<const char*>(w_ + (b + 1) * block_stride) : nullptr;
-        half_blocks(sizes_, starts_, first_tile, last_tile, x_, k_size_, w_ + b * block_stride, bias, y_ + column,
+        panel_tiles(sizes_, starts_, first_tile, last_tile, x_, k_size_, w_ + b * block_stride, bias, y_ + column,
                     out_features_, std::min(kBlock, out_features_ - column), next_block);
         continue;
       }
