@@ -1,17 +1,18 @@
 // Would reading several column blocks in lockstep make draft rows cheap on this CPU? The default
-// model's 120 layer products timed two ways, with exact sums per column in both.
+// model's 120 layer products timed four ways, with exact sums per column in all.
 //
-// "today": the weights as the engine stores them, blocks of 32 columns ([blocks, k, 32]), each
-// thread's blocks one after another, tiles of at most 3 rows (4 registers of sums a row, as AVX2's
-// whole-block tiles are cut). "lockstep": blocks of 16 columns ([blocks, k, 16]), each thread's blocks
-// split into S parts far apart, one block of each part multiplied together a k step at a time (each
-// block's 64-byte lines read in order), tiles of R rows x S blocks x 2 registers (at most 12 sums);
-// rows past 3 take a second tile over the same blocks, from L2. On a Zen 1 host one stream a core
+// "[k, 32]": blocks of 32 columns stored [k, 32] (the engine's layout before session 68), each thread's
+// blocks one after another, tiles of at most 3 rows (4 registers of sums a row, as AVX2's whole-block
+// tiles are cut). "panels": the same tiles over blocks stored as two panels of 16 columns ([2, k, 16],
+// the engine's layout since session 68), so each block is read as two streams of whole 64-byte lines.
+// "far xS" and "adjacent xS": panels S at a time (6 / 3 / 2 for 1 / 2 / 3+ rows), from parts of the
+// thread's share far apart or side by side, tiles of R rows x S panels x 2 registers (at most 12 sums);
+// rows past 3 take a second tile over the same panels, from L2. On a Zen 1 host one stream a core
 // leaves memory idle while the core multiplies; several streams keep it busy (docs/runner.md,
-// "Session 67", and scripts/stream_overlap.cpp).
+// "Session 67" and "Session 68", and scripts/stream_overlap.cpp).
 //
 //     g++ -O3 -march=native -fopenmp scripts/lockstep_tiles.cpp -o /tmp/lockstep_tiles
-//     OMP_NUM_THREADS=2 /tmp/lockstep_tiles       # fastest of 7 by rows, both ways, 2 rounds
+//     OMP_NUM_THREADS=2 /tmp/lockstep_tiles       # fastest of 7 by rows, every way, 2 rounds
 #include <immintrin.h>
 #include <omp.h>
 
@@ -23,7 +24,7 @@
 
 namespace {
 
-constexpr long kMaxIn = 1536, kMaxOut = 3072, kMaxRows = 6;
+constexpr long kMaxIn = 1536, kMaxOut = 3072, kMaxRows = 8;
 float* x;  // kMaxRows rows of kMaxIn
 float* y;  // kMaxRows rows of kMaxOut
 
@@ -87,8 +88,8 @@ void tiles(const Matrix& m, long group, long stride) {
   }
 }
 
-// R rows over blocks of 8 x P columns, S at a time from parts far apart.
-template <int R, int S, int P>
+// R rows over blocks of 8 x P columns, S at a time: from parts far apart, or side by side (kAdjacent).
+template <int R, int S, int P, bool kAdjacent = false>
 void product(const Matrix& m) {
   const long blocks = m.out / (8 * P);
 #pragma omp parallel
@@ -96,34 +97,44 @@ void product(const Matrix& m) {
     const long first = blocks * omp_get_thread_num() / omp_get_num_threads();
     const long last = blocks * (omp_get_thread_num() + 1) / omp_get_num_threads();
     const long per_part = (last - first) / S;
-    for (long j = 0; j < per_part; ++j) tiles<R, S, P>(m, first + j, per_part);
+    for (long j = 0; j < per_part; ++j) {
+      if (kAdjacent) tiles<R, S, P>(m, first + j * S, 1);
+      else tiles<R, S, P>(m, first + j, per_part);
+    }
     for (long block = first + per_part * S; block < last; ++block) tiles<R, 1, P>(m, block, 0);
   }
 }
 
 template <int R, int S>
-void compare(const std::vector<Matrix>& today, const std::vector<Matrix>& lockstep) {
-  double best[2] = {1e9, 1e9};
+void compare(const std::vector<Matrix>& wide, const std::vector<Matrix>& panels) {
+  double best[4] = {1e9, 1e9, 1e9, 1e9};
   for (int round = 0; round < 7; ++round) {
     double start = seconds();
-    for (const Matrix& m : today) product<R, 1, 4>(m);
+    for (const Matrix& m : wide) product<R, 1, 4>(m);
     best[0] = std::min(best[0], seconds() - start);
     start = seconds();
-    for (const Matrix& m : lockstep) product<R, S, 2>(m);
+    for (const Matrix& m : panels) product<R, 2, 2, true>(m);
     best[1] = std::min(best[1], seconds() - start);
+    start = seconds();
+    for (const Matrix& m : panels) product<R, S, 2>(m);
+    best[2] = std::min(best[2], seconds() - start);
+    start = seconds();
+    for (const Matrix& m : panels) product<R, S, 2, true>(m);
+    best[3] = std::min(best[3], seconds() - start);
   }
-  std::printf("%d rows: today %.1f ms, lockstep (%d blocks of 16 columns) %.1f ms, %.2fx\n", R, best[0] * 1e3, S,
-              best[1] * 1e3, best[1] / best[0]);
+  std::printf("%d rows: [k, 32] %.1f ms, panels %.1f (%.2fx), far x%d %.1f (%.2fx), adjacent x%d %.1f (%.2fx)\n", R,
+              best[0] * 1e3, best[1] * 1e3, best[1] / best[0], S, best[2] * 1e3, best[2] / best[0], S,
+              best[3] * 1e3, best[3] / best[0]);
 }
 
 }  // namespace
 
 int main() {
-  std::vector<Matrix> today, lockstep;
+  std::vector<Matrix> wide, panels;  // blocks stored [k, 32], and as panels
   const long shapes[4][2] = {{576, 960}, {576, 576}, {576, 3072}, {1536, 576}};  // qkv, o, gate+up, down
   for (int layer = 0; layer < 30; ++layer) {
     for (const auto& shape : shapes) {
-      for (auto* matrices : {&today, &lockstep}) {
+      for (auto* matrices : {&wide, &panels}) {
         const long bytes = (shape[0] * shape[1] * 4 + (2 << 20) - 1) / (2 << 20) * (2 << 20);
         Matrix m{static_cast<float*>(std::aligned_alloc(2 << 20, bytes)), shape[0], shape[1]};
         for (long i = 0; i < shape[0] * shape[1]; ++i) m.w[i] = 1e-3f * static_cast<float>(i % 7);
@@ -136,11 +147,13 @@ int main() {
   for (long i = 0; i < kMaxRows * kMaxIn; ++i) x[i] = 0.5f + static_cast<float>(i % 3);
   std::printf("%d threads; the default model's 120 layer products, fastest of 7\n", omp_get_max_threads());
   for (int round = 0; round < 2; ++round) {
-    compare<1, 6>(today, lockstep);
-    compare<2, 3>(today, lockstep);
-    compare<3, 2>(today, lockstep);
-    compare<4, 2>(today, lockstep);
-    compare<5, 2>(today, lockstep);
-    compare<6, 2>(today, lockstep);
+    compare<1, 6>(wide, panels);
+    compare<2, 3>(wide, panels);
+    compare<3, 2>(wide, panels);
+    compare<4, 2>(wide, panels);
+    compare<5, 2>(wide, panels);
+    compare<6, 2>(wide, panels);
+    compare<7, 2>(wide, panels);
+    compare<8, 2>(wide, panels);
   }
 }

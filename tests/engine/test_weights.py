@@ -36,7 +36,7 @@ def kernel(request, monkeypatch):
     return "batched matmul" if request.param == "batched matmul" else "compiled"
 
 
-@pytest.mark.parametrize("rows", [0, 1, 3, 4, 8, 17, 70])
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 7, 8, 14, 17, 70])
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_packed_matrix_multiplies_like_nn_linear(kernel, rows, bias):
     module = linear(100, 70, bias, seed=rows)  # 100 outputs: the last block of 32 is partial

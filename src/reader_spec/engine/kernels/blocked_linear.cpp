@@ -47,13 +47,13 @@ constexpr int kWholeBlockRows = kMaxRows;
 #else
 // AVX2 (16 ymm registers, each Vec16 two of them): a whole block holds 3 rows of sums (12 registers
 // and the weights, reloaded for every row); a product of more than kStreamRows rows takes one panel of
-// each block at a time instead (panel_tiles), up to 6 rows of 16 sums, each weight loaded once
-// for all rows.
-constexpr int kMaxRows = 6;
+// each block at a time instead (panel_tiles), up to 7 rows of 16 sums (see panel_tile).
 constexpr int kStreamTileRows = 3;
 #ifdef __AVX__
+constexpr int kMaxRows = 7;
 constexpr int kWholeBlockRows = kStreamTileRows;
 #else
+constexpr int kMaxRows = 6;
 constexpr int kWholeBlockRows = kMaxRows;  // no panel tiles: whole-block tiles of every size
 #endif
 // Up to this many rows a product is bound by reading its matrix more than by its arithmetic: there
@@ -141,9 +141,14 @@ struct LineRequests {
   int64_t first;  // the count of this tile's first step in this panel
 };
 
+constexpr int kRegisterWeightRows = 6;  // the most rows whose panel tile keeps both weight vectors in registers
+
 // R rows times one panel (`count` of its 16 columns exist), plus bias: per k two weight vectors,
-// R broadcasts and 2R multiply-adds (12 sums + 2 weights + 1 broadcast of the 16 registers at 6 rows).
-// Each column's sum is the same sequence of operations as in `tile`.
+// R broadcasts and 2R multiply-adds (12 sums + 2 weights + 1 broadcast of the 16 registers at 6 rows;
+// at 7 rows the 14 sums and the broadcast leave no register for the weights, which the multiply-adds
+// then read from L1 themselves: one 7-row tile made the default model's layer products of 7 rows
+// 11% and of 13-14 rows 2-6% faster than two or three tiles of at most 6 rows on a Zen 1 host,
+// docs/runner.md, "Session 68"). Each column's sum is the same sequence of operations as in `tile`.
 template <int R>
 void panel_tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y, int64_t ldy,
                 int64_t count, const LineRequests& requests) {
@@ -158,10 +163,10 @@ void panel_tile(const float* x, int64_t ldx, const float* w, int64_t k_size, con
     FloatPart low, high;
     std::memcpy(&low, w_k, sizeof(low));
     std::memcpy(&high, w_k + kPart, sizeof(high));
-    // Both in registers: for tiles of up to 4 rows GCC otherwise folds the loads into the
-    // multiply-adds, loading each weight R times, which made 4-row tiles about 1.4x slower from L1
+    // Both in registers where they fit: for tiles of up to 4 rows GCC otherwise folds the loads into
+    // the multiply-adds, loading each weight R times, which made 4-row tiles about 1.4x slower from L1
     // on a Zen 3 host (docs/runner.md, "Session 42"). An empty asm: no instruction, no change in result.
-    __asm__("" : "+x"(low), "+x"(high));
+    if constexpr (R <= kRegisterWeightRows) __asm__("" : "+x"(low), "+x"(high));
     for (int r = 0; r < R; ++r) {
       const float value = x[r * ldx + k];
       sums[r][0] += value * low;
