@@ -118,10 +118,10 @@ class PackedLinear(nn.Module):
     """``F.linear(x, W, b)`` with ``W`` stored for the shapes the engine runs.
 
     ``blocked``: ``weight`` is ``[blocks x 2, in, 16]`` (CPU, float32: :func:`to_blocks`; int8:
-    :func:`to_groups`), else the
-    plain matrix. A fused matrix knows where its parts' outputs lie (``parts``: start and size of
-    each), for :meth:`split`. ``scales`` (int8 weights): ``W = weight * scales`` per output row, one
-    scale per stored row (blocked: padding rows included); the bias stays in the model's dtype.
+    :func:`to_groups`), else the plain matrix. A fused matrix knows where its parts' outputs lie
+    (``parts``: start and size of each), for :meth:`split`. ``scales`` (int8 weights): ``W = weight *
+    scales`` per output row, one scale per stored row (blocked: padding rows included); the bias stays
+    in the model's dtype.
     Weights quantized per group (``weight_format`` in :data:`GROUPED_BITS`): blocked, the layouts of
     :func:`to_nibbles` (int4) and :func:`to_grouped_int8`, ``scales`` ``[blocks, in / 32, 64 or 32]``
     (float16 bits held as int16 so that the model's dtype stays its float one); plain, ``q`` as

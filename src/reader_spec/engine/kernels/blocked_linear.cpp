@@ -58,10 +58,9 @@ constexpr int kWholeBlockRows = kMaxRows;  // no panel tiles: whole-block tiles 
 #endif
 // Up to this many rows a product is bound by reading its matrix more than by its arithmetic: there
 // whole-block tiles of at most 3 rows, the first reading both panels from memory, beat panel tiles.
-// From 7 rows on, tiles of a panel (4 + 3 rows) make passes about 8% cheaper than whole-block tiles
-// (3 + 2 + 2) on a Zen 1 host (docs/runner.md, "Session 68"). Before blocks were stored as panels, a
-// half-block tile read every other cache line, and 7 rows ran 5-11% faster in whole-block tiles on a
-// Zen 3 host.
+// At 7 rows, panel tiles (then 4 + 3) made passes about 8% cheaper than whole-block tiles (3 + 2 + 2)
+// on a Zen 1 host (docs/runner.md, "Session 68"). Before blocks were stored as panels, a half-block
+// tile read every other cache line, and 7 rows ran 5-11% faster in whole-block tiles on a Zen 3 host.
 constexpr int kStreamRows = 6;
 #endif
 

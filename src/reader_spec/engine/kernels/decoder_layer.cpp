@@ -57,18 +57,19 @@ struct Linear : torch::CustomClassHolder {
     TORCH_CHECK(quantized == (scales.has_value() && scales->defined()),
                 "Linear: int8 and grouped weights need scales, float32 none");
     const bool grouped = quantized && scales->scalar_type() == at::kShort;  // float16 bits
-    int64_t depth = in_features, width = reader_spec::kPanel, columns_per_row = reader_spec::kPanel;
+    // unit_columns: output columns per entry of the weight's first dimension (a panel; quantized, a block)
+    int64_t depth = in_features, width = reader_spec::kPanel, unit_columns = reader_spec::kPanel;
     if (grouped) {
       TORCH_CHECK(in_features % reader_spec::kWeightGroup == 0, "Linear: grouped weights need in % 32 == 0");
       TORCH_CHECK(this->weight.dim() == 3, "Linear: grouped weights are [blocks, in / 32, bytes per group]");
       group_bits = reader_spec::weight_group_bits(this->weight.size(2));
       depth = in_features / reader_spec::kWeightGroup;
       width = this->weight.size(2);
-      columns_per_row = reader_spec::kBlock;
+      unit_columns = reader_spec::kBlock;
     } else if (quantized) {
       depth = (in_features + reader_spec::kIntegerGroup - 1) / reader_spec::kIntegerGroup;
       width = reader_spec::kBlock * reader_spec::kIntegerGroup;
-      columns_per_row = reader_spec::kBlock;
+      unit_columns = reader_spec::kBlock;
     }
     TORCH_CHECK(this->weight.device().is_cpu() && this->weight.dim() == 3 && this->weight.size(1) == depth &&
                     this->weight.size(2) == width && this->weight.is_contiguous(),
@@ -77,7 +78,7 @@ struct Linear : torch::CustomClassHolder {
     TORCH_CHECK(quantized || this->weight.scalar_type() == at::kFloat, "Linear: float32, int8 or grouped weights");
     TORCH_CHECK(quantized || this->weight.size(0) % reader_spec::kPanelsPerBlock == 0,
                 "Linear: float32 weights are whole blocks of two panels");
-    TORCH_CHECK(out_features <= this->weight.size(0) * columns_per_row, "Linear: out_features exceeds the blocks");
+    TORCH_CHECK(out_features <= this->weight.size(0) * unit_columns, "Linear: out_features exceeds the blocks");
     if (quantized) {
       this->scales = scales->contiguous();
       const int64_t expected = grouped ? this->weight.size(0) * depth * reader_spec::weight_group_halves(group_bits)
