@@ -70,50 +70,13 @@ QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k_size) {
   QuantizedRows out{std::vector<int16_t>(rows * k_size), std::vector<int32_t>(rows * groups, 0),
                     std::vector<float>(rows, 0.0f), std::vector<uint8_t>(rows, 1)};
   for (int64_t r = 0; r < rows; ++r) {
-    const float* h = x + r * k_size;
     int16_t* q = out.q.data() + r * k_size;
-#ifdef READER_GROUPED_AVX512
-    // The plain loops below sixteen lanes at a time: the same division, rounding and clamp of each
-    // element (one at a time they took 8 us for 8 rows of 576, as long as the product).
-    __m512 largest16 = _mm512_setzero_ps();
-    __mmask16 finite = 0xffff;
-    for (int64_t k = 0; k < k_size; k += 16) {
-      const __m512 magnitude = _mm512_abs_ps(_mm512_loadu_ps(h + k));
-      finite &= _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_LE_OQ);
-      largest16 = _mm512_max_ps(largest16, magnitude);
+    out.finite[r] = reader_spec::round_row(x + r * k_size, k_size, kLargest, q, out.scale[r]);
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t sum = 0;
+      for (int64_t k = g * kGroupK; k < (g + 1) * kGroupK; ++k) sum += q[k];
+      out.sums[r * groups + g] = sum;
     }
-    out.finite[r] = finite == 0xffff;
-    const float scale = _mm512_reduce_max_ps(largest16) / kLargest;
-    out.scale[r] = scale;
-    if (!out.finite[r] || scale == 0) continue;
-    const __m512 scales = _mm512_set1_ps(scale);
-    for (int64_t k = 0; k < k_size; k += kGroupK) {
-      __m512i sums = _mm512_setzero_si512();
-      for (int64_t half = 0; half < kGroupK; half += 16) {
-        const __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(h + k + half), scales),
-                                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512i integers = _mm512_cvtps_epi32(
-            _mm512_min_ps(_mm512_max_ps(rounded, _mm512_set1_ps(-kLargest)), _mm512_set1_ps(kLargest)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k + half), _mm512_cvtepi32_epi16(integers));
-        sums = _mm512_add_epi32(sums, integers);
-      }
-      out.sums[r * groups + k / kGroupK] = _mm512_reduce_add_epi32(sums);
-    }
-#else
-    float largest = 0;
-    for (int64_t k = 0; k < k_size; ++k) {
-      const float magnitude = std::fabs(h[k]);
-      out.finite[r] = out.finite[r] && magnitude <= std::numeric_limits<float>::max();
-      largest = std::max(largest, magnitude);
-    }
-    const float scale = largest / kLargest;
-    out.scale[r] = scale;
-    if (!out.finite[r] || scale == 0) continue;
-    for (int64_t k = 0; k < k_size; ++k) {
-      q[k] = static_cast<int16_t>(std::clamp(std::nearbyint(h[k] / scale), -kLargest, kLargest));
-      out.sums[r * groups + k / kGroupK] += q[k];
-    }
-#endif
   }
   return out;
 }
@@ -204,15 +167,14 @@ void grouped_tile(const int16_t* q, int64_t k_size, const int32_t* sums, const u
         for (int j = 0; j < 4; ++j) dots[r][j] = _mm256_add_epi32(dots[r][j], _mm256_madd_epi16(weights[j], x));
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m256 group_sum = _mm256_set1_ps(static_cast<float>(sums[r * groups + g]));
-      for (int j = 0; j < 4; ++j) {
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales) + j));
+    // Each scale (and minimum) converted once for all rows.
+    for (int j = 0; j < 4; ++j) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales) + j));
+      const __m256 m = Bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + kBlock) + j))
+                                 : _mm256_setzero_ps();
+      for (int r = 0; r < R; ++r) {
         __m256 total = _mm256_loadu_ps(acc[r] + 8 * j);
-        if constexpr (Bits == 4) {
-          const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + kBlock) + j));
-          total = _mm256_fmadd_ps(m, group_sum, total);
-        }
+        if constexpr (Bits == 4) total = _mm256_fmadd_ps(m, _mm256_set1_ps(static_cast<float>(sums[r * groups + g])), total);
         _mm256_storeu_ps(acc[r] + 8 * j, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dots[r][j]), total));
       }
     }

@@ -71,27 +71,17 @@ std::vector<IntegerRow> quantize_rows(const float* x, int64_t rows, int64_t k_si
   const float limit = static_cast<float>(largest_level(k_size));
   // A product alone in one level (AVX2): no remainder to carry, no bound; the same integers as below
   // at a third of the work (it ran on one thread before each product: 9% of a one-token draft pass).
-  if (kLevels == 1 && !bounds) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* h = x + r * k_size;
-      IntegerRow& row = quantized[r];
-      float largest = 0;
-      for (int64_t k = 0; k < k_size; ++k) {
-        const float magnitude = std::fabs(h[k]);
-        row.finite = row.finite && magnitude <= std::numeric_limits<float>::max();  // false for inf and NaN
-        largest = std::max(largest, magnitude);
+  if constexpr (kLevels == 1) {
+    if (!bounds) {
+      for (int64_t r = 0; r < rows; ++r) {
+        IntegerRow& row = quantized[r];
+        int16_t* values = reinterpret_cast<int16_t*>(q.data() + r * groups);  // one level: Level is int16_t
+        row.finite = reader_spec::round_row(x + r * k_size, k_size, limit, values, row.scale[0]);
+        row.sum[0] = 0;
+        for (int64_t k = 0; k < k_size; ++k) row.sum[0] += values[k];
       }
-      const float scale = largest / limit;
-      row.scale[0] = scale;
-      row.sum[0] = 0;
-      if (!row.finite || scale == 0) continue;
-      Level* values = reinterpret_cast<Level*>(q.data() + r * groups);
-      for (int64_t k = 0; k < k_size; ++k) {
-        values[k] = static_cast<Level>(std::clamp(std::nearbyint(h[k] / scale), -limit, limit));
-        row.sum[0] += values[k];
-      }
+      return quantized;
     }
-    return quantized;
   }
   std::vector<float> rest(k_size);
   std::vector<double> approx(k_size);

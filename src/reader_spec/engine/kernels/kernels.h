@@ -9,8 +9,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -268,6 +270,50 @@ class RowPruning {
 std::vector<IntegerRow> integer_product(const float* x, int64_t rows, const uint8_t* weight, int64_t k_size,
                                         const float* scales, const float* bias, float* y, int64_t ldy,
                                         int64_t columns, bool bounds, RowPruning* pruning = nullptr);
+
+// A row of x in integers of at most `limit` in magnitude (below 2^22) at one scale, the largest |x| /
+// limit: q[k] = clamp(nearbyint(x[k] / scale), -limit, limit), rounded to nearest with ties to even,
+// sixteen lanes at a time (the integer products round their inputs before every product: one lane at
+// a time, through std::nearbyint, a 1,536-feature row took 4.8 us on a Zen 1 host, on one thread).
+// Returns false, writing nothing, where x holds inf or NaN; a row of zeros gets scale 0 and no integers.
+inline bool round_row(const float* x, int64_t k_size, float limit, int16_t* q, float& scale) {
+  const float most = std::numeric_limits<float>::max();
+  const int64_t whole = k_size / kLanes * kLanes;
+  Vec16 largest{};
+  Int16 finite = Int16{} == 0;
+  for (int64_t k = 0; k < whole; k += kLanes) {
+    const Vec16 v = load(x + k);
+    const Vec16 magnitude = select(v < 0.0f, 0.0f - v, v);
+    finite = finite & (magnitude <= most);  // false for inf and NaN
+    largest = select(magnitude > largest, magnitude, largest);
+  }
+  float top = 0;
+  bool all_finite = true;
+  for (int lane = 0; lane < kLanes; ++lane) {
+    top = std::max(top, largest[lane]);
+    all_finite = all_finite && finite[lane] != 0;
+  }
+  for (int64_t k = whole; k < k_size; ++k) {
+    const float magnitude = std::fabs(x[k]);
+    all_finite = all_finite && magnitude <= most;
+    top = std::max(top, magnitude);
+  }
+  scale = top / limit;
+  if (!all_finite || scale == 0) return all_finite;
+  // Clamped first (the bounds are integers: the same result), then rounded by adding and taking back
+  // 1.5 x 2^23, past which a float holds integers only.
+  const float magic = 12582912.0f;
+  for (int64_t k = 0; k < whole; k += kLanes) {
+    const Vec16 scaled = load(x + k) / scale;
+    const Vec16 clamped = select(scaled > limit, Vec16{} + limit, select(scaled < -limit, Vec16{} - limit, scaled));
+    const Int16 integers = to_int((clamped + magic) - magic);
+    for (int lane = 0; lane < kLanes; ++lane) q[k + lane] = static_cast<int16_t>(integers[lane]);
+  }
+  for (int64_t k = whole; k < k_size; ++k) {
+    q[k] = static_cast<int16_t>(std::clamp(std::nearbyint(x[k] / scale), -limit, limit));
+  }
+  return true;
+}
 
 // Products of weights quantized per group of kWeightGroup k of a column (grouped_product.cpp), as
 // GGUF stores them: 4 bits, W[n][k] = d[n][g] q[n][k] + m[n][g] (q in 0..15), or 8 bits,
