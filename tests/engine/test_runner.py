@@ -21,8 +21,10 @@ import reader_spec.engine.decoder as decoder_module
 import reader_spec.engine.runner as runner_module
 from reader_spec.engine.attention import MOST_CALL_COST, PACKED_EAGER, PACKED_SDPA
 from reader_spec.engine.greedy_head import UNNEEDED
-from reader_spec.engine.runner import ModelRunner, sliding_window_of
+from reader_spec.engine.layouts import dequantize_int4, quantize_int4
+from reader_spec.engine.runner import ModelRunner, pack_weights, sliding_window_of
 from reader_spec.engine.tree import DraftTree
+from reader_spec.engine.weights import GROUPED_BITS, PackedLinear
 from tests.conftest import TEST_DEVICE
 
 VOCAB = 64
@@ -437,13 +439,24 @@ def test_whole_compiled_layers_compute_the_bits_of_the_layer_by_layer_path(
     assert all(counter.calls > 0 for counter in counters)
 
 
+def as_if_from_a_4_bit_file(model: PreTrainedModel) -> None:
+    """Every layer matrix but the MLP's down projection rounded as GGUF's Q4_1 stores it, so that
+    ``int4`` packs those in 4 bits and the down projections in 8 bits per group (both grouped kernels)."""
+    for name, module in model.model.layers.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("down_proj"):
+            with torch.no_grad():
+                module.weight.copy_(dequantize_int4(*quantize_int4(module.weight)))
+
+
+@pytest.mark.parametrize("weights", ["float32", "int4"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
-def test_a_team_of_threads_computes_the_bits_of_one_thread(family, on_cpu, monkeypatch):
+def test_a_team_of_threads_computes_the_bits_of_one_thread(family, weights, on_cpu, monkeypatch):
     """Passes of a few rows run every layer as one team of threads (DecoderStack): each thread keeps
     its own copy of the residual stream, adds the last product's output and norms it, and takes its
     share of every step, the threads waiting for each other between steps; a prompt of 300 rows, or
     one thread, runs step by step on one stream. Caches and logits must be the same bits at one, two
-    and three threads (three: shares of unequal sizes)."""
+    and three threads (three: shares of unequal sizes), for float32 matrices and for matrices quantized
+    per group (a self-draft's: each member rounds the rows itself)."""
     import numpy as np
 
     from reader_spec.engine import weights as weights_module
@@ -452,12 +465,19 @@ def test_a_team_of_threads_computes_the_bits_of_one_thread(family, on_cpu, monke
     monkeypatch.setattr(weights_module, "_fastest_kernel", lambda matrices, rows, same_pass: compiled)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
+    if weights == "int4":
+        as_if_from_a_4_bit_file(model)
     threads = torch.get_num_threads()
     caches, logits = [], []
     try:
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            runner = ModelRunner(copy.deepcopy(model), num_rows=2, capacity=320, runner="fast")
+            copied = copy.deepcopy(model)
+            if weights == "int4":
+                pack_weights(copied, "int4")
+                formats = {m.weight_format for m in copied.modules() if isinstance(m, PackedLinear)}
+                assert set(GROUPED_BITS) <= formats  # both grouped kernels run
+            runner = ModelRunner(copied, num_rows=2, capacity=320, runner="fast")
             assert runner.decoder.stack is not None
             rng = np.random.default_rng(4)
             runner.prefill(0, rng.integers(0, VOCAB, 300).tolist())  # one stream at any thread count

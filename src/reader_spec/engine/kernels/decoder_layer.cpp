@@ -33,6 +33,7 @@
 #include <cstring>
 #include <thread>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "kernels.h"
@@ -45,6 +46,21 @@ using reader_spec::CacheView;
 // ceil(in / 4), 128] unsigned bytes) with one float32 scale per column; or quantized per group of 32 k
 // in the grouped product's (4-bit [blocks, in / 32, 512] or 8-bit [blocks, in / 32, 1024] bytes) with
 // float16 scales (and minimums) per group (their bits in an int16 tensor).
+// One product that a caller splits by column blocks (Linear::share): float32 or quantized per group.
+class Share {
+ public:
+  template <typename Kind, typename... Args>
+  explicit Share(std::in_place_type_t<Kind> kind, Args&&... args) : product_(kind, std::forward<Args>(args)...) {}
+
+  // Blocks [begin, end) times every row.
+  void multiply(int64_t begin, int64_t end) const {
+    std::visit([&](const auto& product) { product.multiply(begin, end); }, product_);
+  }
+
+ private:
+  std::variant<reader_spec::Product, reader_spec::GroupedProduct> product_;
+};
+
 struct Linear : torch::CustomClassHolder {
   at::Tensor weight, scales, bias;
   int64_t in_features, out_features;
@@ -94,20 +110,26 @@ struct Linear : torch::CustomClassHolder {
     }
   }
 
-  // Column blocks of a float32 matrix (two panels each): the units a team's members share out.
-  int64_t blocks() const { return weight.size(0) / reader_spec::kPanelsPerBlock; }
+  // Column blocks (float32: two panels each): the units a team's members share out.
+  int64_t blocks() const { return group_bits ? weight.size(0) : weight.size(0) / reader_spec::kPanelsPerBlock; }
 
-  // Whether `kernel` is the float32 compiled product, which a caller can split itself (Product).
-  bool splits(int64_t kernel) const { return kernel != 0 && !scales.defined(); }
+  // Whether `kernel` is a compiled product a caller can split itself (float32's Product, GroupedProduct).
+  bool splits(int64_t kernel) const { return kernel != 0 && (!scales.defined() || group_bits != 0); }
 
   // Whether the product can run a pair of blocks `second` columns apart on one thread (gate and up).
   bool pairs_blocks(int64_t kernel, int64_t second) const {
     return splits(kernel) && !bias.defined() && second % reader_spec::kBlock == 0;
   }
 
-  reader_spec::Product share(const float* x, int64_t rows, float* y, int64_t kernel) const {
-    return {x, rows, weight.data_ptr<float>(), in_features, bias.defined() ? bias.data_ptr<float>() : nullptr, y,
-            out_features, kernel == 2};
+  Share share(const float* x, int64_t rows, float* y, int64_t kernel) const {
+    const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+    if (group_bits) {
+      return Share(std::in_place_type<reader_spec::GroupedProduct>, x, rows, weight.data_ptr<uint8_t>(),
+                   reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()), in_features, group_bits, b, y,
+                   out_features);
+    }
+    return Share(std::in_place_type<reader_spec::Product>, x, rows, weight.data_ptr<float>(), in_features, b, y,
+                 out_features, kernel == 2);
   }
 
   // y = x W^T + b for `rows` rows through `kernel`, as PackedLinear.kernel_at chose it for this many
@@ -349,7 +371,7 @@ struct DecoderLayer : torch::CustomClassHolder {
   // own core's caches (silu_mul_rows read half of them from the other core's).
   void gate_and_up(const float* x, int64_t tokens, int64_t first, int64_t last, int64_t kernel, float* gated,
                    float* activated) const {
-    const reader_spec::Product product = gate_up->share(x, tokens, gated, kernel);
+    const Share product = gate_up->share(x, tokens, gated, kernel);
     product.multiply(first, last);
     product.multiply(up_start / reader_spec::kBlock + first, up_start / reader_spec::kBlock + last);
     reader_spec::silu_mul_features(gated, gated + up_start, gate_up->out_features, tokens, intermediate,

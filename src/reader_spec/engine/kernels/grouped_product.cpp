@@ -57,30 +57,6 @@ constexpr int64_t kPrefetchBytes = 2048;
 constexpr int64_t group_bytes(int bits) { return kBlock * kGroupK * bits / 8; }
 constexpr int64_t group_halves(int bits) { return bits == 4 ? 2 * kBlock : kBlock; }  // (d, m) or d
 
-// Rows of x as int16 with a scale each, and each group's sum of integers.
-struct QuantizedRows {
-  std::vector<int16_t> q;      // [rows][k]
-  std::vector<int32_t> sums;   // [rows][groups]
-  std::vector<float> scale;    // [rows]
-  std::vector<uint8_t> finite; // [rows]
-};
-
-QuantizedRows quantize_rows(const float* x, int64_t rows, int64_t k_size) {
-  const int64_t groups = k_size / kGroupK;
-  QuantizedRows out{std::vector<int16_t>(rows * k_size), std::vector<int32_t>(rows * groups, 0),
-                    std::vector<float>(rows, 0.0f), std::vector<uint8_t>(rows, 1)};
-  for (int64_t r = 0; r < rows; ++r) {
-    int16_t* q = out.q.data() + r * k_size;
-    out.finite[r] = reader_spec::round_row(x + r * k_size, k_size, kLargest, q, out.scale[r]);
-    for (int64_t g = 0; g < groups; ++g) {
-      int32_t sum = 0;
-      for (int64_t k = g * kGroupK; k < (g + 1) * kGroupK; ++k) sum += q[k];
-      out.sums[r * groups + g] = sum;
-    }
-  }
-  return out;
-}
-
 // acc[r][c] += d[c] * (sum over the group's k of q[r][k] * w[c][k]) (+ m[c] * group_sum[r]), for R
 // rows and one block of 32 columns, over all groups.
 template <int Bits, int R>
@@ -218,32 +194,31 @@ void grouped_rows(int rows, const int16_t* q, int64_t k_size, const int32_t* sum
   grouped_tile<Bits, R>(q, k_size, sums, w, s, acc);
 }
 
+// y's columns of blocks [begin, end) for every row, in tiles of at most kTileRows rows.
 template <int Bits>
-void grouped_blocks(const float* x, int64_t rows, const uint8_t* weight, const uint16_t* scales, int64_t k_size,
-                    const float* bias, float* y, int64_t columns) {
-  const int64_t groups = k_size / kGroupK, blocks = (columns + kBlock - 1) / kBlock;
-  const QuantizedRows quantized = quantize_rows(x, rows, k_size);
+void grouped_blocks(int64_t rows, const int16_t* q, const int32_t* sums, const float* row_scales,
+                    const uint8_t* finite, const uint8_t* weight, const uint16_t* scales, int64_t k_size,
+                    const float* bias, float* y, int64_t columns, int64_t begin, int64_t end) {
+  const int64_t groups = k_size / kGroupK;
   const int64_t tiles = (rows + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    float acc[kTileRows][kBlock];
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t count_columns = std::min(kBlock, columns - b * kBlock);
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t first = t * rows / tiles;
-        const int count = static_cast<int>((t + 1) * rows / tiles - first);
-        grouped_rows<Bits>(count, quantized.q.data() + first * k_size, k_size, quantized.sums.data() + first * groups,
-                           weight + b * groups * group_bytes(Bits), scales + b * groups * group_halves(Bits), acc);
-        for (int r = 0; r < count; ++r) {
-          float* y_row = y + (first + r) * columns + b * kBlock;
-          const float scale = quantized.scale[first + r];
-          for (int64_t c = 0; c < count_columns; ++c) {
-            y_row[c] = quantized.finite[first + r] ? scale * acc[r][c] + (bias != nullptr ? bias[b * kBlock + c] : 0.0f)
-                                                   : std::numeric_limits<float>::quiet_NaN();
-          }
+  float acc[kTileRows][kBlock];
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t count_columns = std::min(kBlock, columns - b * kBlock);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t first = t * rows / tiles;
+      const int count = static_cast<int>((t + 1) * rows / tiles - first);
+      grouped_rows<Bits>(count, q + first * k_size, k_size, sums + first * groups,
+                         weight + b * groups * group_bytes(Bits), scales + b * groups * group_halves(Bits), acc);
+      for (int r = 0; r < count; ++r) {
+        float* y_row = y + (first + r) * columns + b * kBlock;
+        const float scale = row_scales[first + r];
+        for (int64_t c = 0; c < count_columns; ++c) {
+          y_row[c] = finite[first + r] ? scale * acc[r][c] + (bias != nullptr ? bias[b * kBlock + c] : 0.0f)
+                                       : std::numeric_limits<float>::quiet_NaN();
         }
       }
     }
-  });
+  }
 }
 
 }  // namespace
@@ -259,13 +234,32 @@ int64_t weight_group_bits(int64_t bytes_per_group) {
 
 int64_t weight_group_halves(int64_t bits) { return group_halves(static_cast<int>(bits)); }
 
+GroupedProduct::GroupedProduct(const float* x, int64_t rows, const uint8_t* weight, const uint16_t* scales,
+                               int64_t k_size, int64_t bits, const float* bias, float* y, int64_t columns)
+    : weight_(weight), scales_(scales), bias_(bias), y_(y), rows_(rows), k_size_(k_size), bits_(bits),
+      columns_(columns), q_(rows * k_size), sums_(rows * (k_size / kGroupK)), row_scales_(rows), finite_(rows) {
+  const int64_t groups = k_size / kGroupK;
+  for (int64_t r = 0; r < rows; ++r) {
+    int16_t* q = q_.data() + r * k_size;
+    finite_[r] = round_row(x + r * k_size, k_size, kLargest, q, row_scales_[r]);
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t sum = 0;
+      for (int64_t k = g * kGroupK; k < (g + 1) * kGroupK; ++k) sum += q[k];
+      sums_[r * groups + g] = sum;
+    }
+  }
+}
+
+void GroupedProduct::multiply(int64_t begin, int64_t end) const {
+  auto blocks = bits_ == 4 ? grouped_blocks<4> : grouped_blocks<8>;
+  blocks(rows_, q_.data(), sums_.data(), row_scales_.data(), finite_.data(), weight_, scales_, k_size_, bias_, y_,
+         columns_, begin, end);
+}
+
 void grouped_product(const float* x, int64_t rows, const uint8_t* weight, const uint16_t* scales, int64_t k_size,
                      int64_t bits, const float* bias, float* y, int64_t columns) {
-  if (bits == 4) {
-    grouped_blocks<4>(x, rows, weight, scales, k_size, bias, y, columns);
-  } else {
-    grouped_blocks<8>(x, rows, weight, scales, k_size, bias, y, columns);
-  }
+  const GroupedProduct product(x, rows, weight, scales, k_size, bits, bias, y, columns);
+  at::parallel_for(0, product.blocks(), 1, [&](int64_t begin, int64_t end) { product.multiply(begin, end); });
 }
 
 }  // namespace reader_spec

@@ -327,6 +327,30 @@ int64_t weight_group_halves(int64_t bits);
 void grouped_product(const float* x, int64_t rows, const uint8_t* weight, const uint16_t* scales, int64_t k_size,
                      int64_t bits, const float* bias, float* y, int64_t columns);
 
+// grouped_product a share at a time, as Product is blocked_product's: each row of x is rounded to int16
+// once, when the product is made (a team's members each make their own: the same integers).
+class GroupedProduct {
+ public:
+  GroupedProduct(const float* x, int64_t rows, const uint8_t* weight, const uint16_t* scales, int64_t k_size,
+                 int64_t bits, const float* bias, float* y, int64_t columns);
+
+  int64_t blocks() const { return (columns_ + kBlock - 1) / kBlock; }
+
+  // Blocks [begin, end) times every row.
+  void multiply(int64_t begin, int64_t end) const;
+
+ private:
+  const uint8_t* weight_;
+  const uint16_t* scales_;
+  const float* bias_;
+  float* y_;
+  int64_t rows_, k_size_, bits_, columns_;
+  std::vector<int16_t> q_;        // [rows][k]
+  std::vector<int32_t> sums_;     // [rows][groups]: each group's sum of integers
+  std::vector<float> row_scales_; // [rows]
+  std::vector<uint8_t> finite_;   // [rows]: 0 where the row holds inf or NaN (its outputs are NaN)
+};
+
 // What the product ops (blocked_linear, int8_linear, grouped_linear) do around their kernel: `input`
 // ([..., in_features], float32) seen as rows, the optional float32 bias checked (one per output),
 // and y = product(x, rows, bias or null, y) returned with input's leading shape.
