@@ -88,22 +88,29 @@ inline void convert(const uint8_t* half_bytes, const uint16_t* halves, int h, __
   w[3] = _mm256_fmadd_ps(d_hi, as_float(_mm_srli_si128(hi, 8)), m_hi);
 }
 
-// One block from the int4 layout to two float32 panels ([2][k][16]).
-void dequantize(const uint8_t* nibbles, const uint16_t* halves, long k_size, float* w) {
-  float* second = w + k_size * 16;
+// f(k, h, w) for every half h of every pair of k (k, k + 1) of one block, converted (see convert).
+template <typename F>
+void for_each_half(const uint8_t* nibbles, const uint16_t* halves, long k_size, F f) {
   for (long g = 0; g < k_size / 32; ++g) {
     for (long pair = 0; pair < 16; ++pair) {
-      const long k = g * 32 + 2 * pair;
       for (int h = 0; h < 2; ++h) {
-        __m256 v[4];
-        convert(nibbles + g * kGroupBytes + pair * 32 + 16 * h, halves + g * kGroupHalves, h, v);
-        _mm256_store_ps(w + k * 16 + 8 * h, v[0]);
-        _mm256_store_ps(w + (k + 1) * 16 + 8 * h, v[1]);
-        _mm256_store_ps(second + k * 16 + 8 * h, v[2]);
-        _mm256_store_ps(second + (k + 1) * 16 + 8 * h, v[3]);
+        __m256 w[4];
+        convert(nibbles + g * kGroupBytes + pair * 32 + 16 * h, halves + g * kGroupHalves, h, w);
+        f(g * 32 + 2 * pair, h, w);
       }
     }
   }
+}
+
+// One block from the int4 layout to two float32 panels ([2][k][16]).
+void dequantize(const uint8_t* nibbles, const uint16_t* halves, long k_size, float* w) {
+  float* second = w + k_size * 16;
+  for_each_half(nibbles, halves, k_size, [&](long k, int h, const __m256 (&v)[4]) {
+    _mm256_store_ps(w + k * 16 + 8 * h, v[0]);
+    _mm256_store_ps(w + (k + 1) * 16 + 8 * h, v[1]);
+    _mm256_store_ps(second + k * 16 + 8 * h, v[2]);
+    _mm256_store_ps(second + (k + 1) * 16 + 8 * h, v[3]);
+  });
 }
 
 // R rows times one block converted in registers: the same multiply-adds in the same order as `tile`.
@@ -114,23 +121,16 @@ void register_tile(const uint8_t* nibbles, const uint16_t* halves, long k_size, 
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < 4; ++j) sums[r][j] = _mm256_setzero_ps();
   }
-  for (long g = 0; g < k_size / 32; ++g) {
-    for (long pair = 0; pair < 16; ++pair) {
-      const long k = g * 32 + 2 * pair;
-      for (int h = 0; h < 2; ++h) {
-        __m256 w[4];
-        convert(nibbles + g * kGroupBytes + pair * 32 + 16 * h, halves + g * kGroupHalves, h, w);
-        for (int r = 0; r < R; ++r) {
-          const __m256 v0 = _mm256_broadcast_ss(x_rows + r * kMaxIn + k);
-          const __m256 v1 = _mm256_broadcast_ss(x_rows + r * kMaxIn + k + 1);
-          sums[r][h] = _mm256_fmadd_ps(v0, w[0], sums[r][h]);
-          sums[r][2 + h] = _mm256_fmadd_ps(v0, w[2], sums[r][2 + h]);
-          sums[r][h] = _mm256_fmadd_ps(v1, w[1], sums[r][h]);
-          sums[r][2 + h] = _mm256_fmadd_ps(v1, w[3], sums[r][2 + h]);
-        }
-      }
+  for_each_half(nibbles, halves, k_size, [&](long k, int h, const __m256 (&w)[4]) {
+    for (int r = 0; r < R; ++r) {
+      const __m256 v0 = _mm256_broadcast_ss(x_rows + r * kMaxIn + k);
+      const __m256 v1 = _mm256_broadcast_ss(x_rows + r * kMaxIn + k + 1);
+      sums[r][h] = _mm256_fmadd_ps(v0, w[0], sums[r][h]);
+      sums[r][2 + h] = _mm256_fmadd_ps(v0, w[2], sums[r][2 + h]);
+      sums[r][h] = _mm256_fmadd_ps(v1, w[1], sums[r][h]);
+      sums[r][2 + h] = _mm256_fmadd_ps(v1, w[3], sums[r][2 + h]);
     }
-  }
+  });
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < 4; ++j) _mm256_storeu_ps(y_rows + r * kMaxOut + 8 * j, sums[r][j]);
   }
