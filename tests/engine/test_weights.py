@@ -349,6 +349,17 @@ def test_int4_keeps_a_gguf_files_matrices_exactly(grouped):
     tokens = torch.tensor([0, 7, 8, 15, 16, 23, 24, 31, 32, 99])  # every octet of columns in a block
     assert torch.equal(packed.rows_of(tokens), weight[tokens])
     assert torch.equal(packed.rows_of(tokens[None]), weight[tokens][None])
+    # the compiled lookup and the indexing give the same rows
+    assert torch.equal(packed._grouped_rows(tokens, compiled=False), weight[tokens])
+
+
+def test_the_compiled_grouped_lookup_refuses_a_token_outside_the_matrix(grouped):
+    if not kernels.available():
+        pytest.fail("the compiled kernels must build on this machine (make builds them)")
+    packed, _ = pack_linears([grid_linear(100, 64, bias=False, seed=5, stored=grouped)], weights="int4")
+    assert packed.weight_format == grouped
+    with pytest.raises(RuntimeError, match="grouped_rows: token 128 outside the 128 rows"):
+        packed.rows_of(torch.tensor([3, 128]))
 
 
 def test_int4_stores_a_float_matrix_in_8_bits_per_group_or_per_row():
