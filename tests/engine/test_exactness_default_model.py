@@ -229,20 +229,28 @@ def test_self_draft_fusions_equal_plain(
     label = f"{mode} fusion with the self-draft, batch {batch_size}"
     want = [tokens[:SHORT] for tokens in plain]
     assert_same_or_near_tie(smollm, prompts, questions, want, [o.tokens for o in outputs], label)
-    assert sum(o.stats.accepted_by_source.get("model", 0) for o in outputs) > 200
+    from_model = sum(o.stats.accepted_by_source.get("model", 0) for o in outputs)
+    print(f"{label}: {from_model} of the draft model's tokens accepted")
+    assert from_model > 200
 
 
 def test_self_draft_seeded_sampling_equals_plain_sampling(
-    smollm, smollm_engine, prompts, questions, plain_sampled, self_draft_model, costs
+    smollm, smollm_engine, prompts, questions, plain_sampled, self_draft_model
 ):
+    # A fixed budget, unpriced: the draft model runs every step. Priced, whether it runs is decided by
+    # its timed passes, so how many of its tokens are verified (and accepted) varied from machine to
+    # machine (94 on one CI host, over 100 here).
     configs = sampled_configs(questions)
-    engine = Engine(smollm_engine, ModelDrafter(self_draft_model), costs=costs)
+    drafter = ModelDrafter(self_draft_model, max_depth=3)
+    engine = Engine(smollm_engine, drafter, budget=BATCH_8_BUDGET, adaptive_budget=False)
     outputs = engine.generate(prompts, configs, batch_size=8)
     got = [o.tokens for o in outputs]
     assert_same_or_near_tie(
         smollm, prompts, questions, plain_sampled, got, "self-draft sampling batch 8", configs
     )
-    assert sum(o.stats.accepted for o in outputs) > 100
+    accepted = sum(o.stats.accepted for o in outputs)
+    print(f"self-draft sampling batch 8: {accepted} draft tokens accepted")
+    assert accepted > 1000  # of 2,560 new tokens
 
 
 # --- second turns on the rows their first turns left (prefix reuse) -----------------------------------
