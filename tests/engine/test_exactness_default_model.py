@@ -239,18 +239,19 @@ def test_self_draft_seeded_sampling_equals_plain_sampling(
 ):
     # A fixed budget, unpriced: the draft model runs every step. Priced, whether it runs is decided by
     # its timed passes, so how many of its tokens are verified (and accepted) varied from machine to
-    # machine (94 on one CI host, over 100 here).
+    # machine (94 on one CI host, over 100 here). Three batches of 8, for the suite's time.
+    count = 24
+    prompts, questions, want = prompts[:count], questions[:count], plain_sampled[:count]
     configs = sampled_configs(questions)
     drafter = ModelDrafter(self_draft_model, max_depth=3)
     engine = Engine(smollm_engine, drafter, budget=BATCH_8_BUDGET, adaptive_budget=False)
     outputs = engine.generate(prompts, configs, batch_size=8)
     got = [o.tokens for o in outputs]
-    assert_same_or_near_tie(
-        smollm, prompts, questions, plain_sampled, got, "self-draft sampling batch 8", configs
-    )
+    label = "self-draft sampling batch 8"
+    assert_same_or_near_tie(smollm, prompts, questions, want, got, label, configs)
     accepted = sum(o.stats.accepted for o in outputs)
-    print(f"self-draft sampling batch 8: {accepted} draft tokens accepted")
-    assert accepted > 1000  # of 2,560 new tokens
+    print(f"{label}: {accepted} draft tokens accepted")
+    assert accepted > 600  # of 1,536 new tokens
 
 
 # --- second turns on the rows their first turns left (prefix reuse) -----------------------------------
