@@ -1,7 +1,8 @@
 """End to end on the default model: speculative output equals plain output, greedy and sampled.
 
 The drafter has every source on: the request's own text, earlier responses, and a corpus datastore.
-The int8 self-draft runs the same checks, fused with that drafter both ways and alone (sampled).
+The self-draft (`--draft-model self`) runs the same checks, fused with that drafter both ways and
+alone (sampled).
 
 40 Spec-Bench prompts covering all 13 categories, 128 new tokens each (64 for seeded sampling and the
 self-draft: a sampled output follows its own noise from the first token, and a greedy output's first
@@ -206,7 +207,7 @@ def test_seeded_sampling_equals_plain_sampling(
     assert sum(o.stats.accepted for o in outputs) > 2.5 * count
 
 
-# --- the int8 self-draft, fused with retrieval --------------------------------------------------------
+# --- the self-draft, fused with retrieval -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def self_draft_model(smollm):
     return self_draft(smollm)
