@@ -56,10 +56,7 @@ class ProbabilityCalibrator:
         return context * len(RAW_BOUNDS) + raw_bucket(q)
 
     def __call__(self, q: float, context: int = 0) -> float:
-        c = self.cell(q, context)
-        return (self._hits[c] + self.prior_strength * self._prior(c)) / (
-            self._trials[c] + self.prior_strength
-        )
+        return self.table()[self.cell(q, context)]
 
     def update(self, q: float, hit: bool, context: int = 0) -> None:
         c = self.cell(q, context)
