@@ -57,7 +57,7 @@ def add_parser(commands) -> None:
         help="only questions with odd or even ids, e.g. even ones against a datastore of the odd ones",
     )
     bench.add_argument("--limit", type=int, default=None, help="questions per category (default: all)")
-    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (128)")
     bench.add_argument(
         "--methods",
         nargs="+",

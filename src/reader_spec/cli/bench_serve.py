@@ -47,7 +47,7 @@ def add_parser(commands) -> None:
         help="first: each question's first message; all: a client sends a question's every message in "
         "turn, each after the answer to the last, with the conversation so far (default first)",
     )
-    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (128)")
     bench.add_argument(
         "--budget",
         type=int,

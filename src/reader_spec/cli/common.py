@@ -41,11 +41,12 @@ def add_model_option(parser: argparse.ArgumentParser, runner: bool = True) -> No
             "--weights",
             choices=["int8", "int4"],
             help="int8: store the model's matrices in int8, one scale per output channel (a quarter of "
-            "float32's bytes: passes about 2.5x faster on a CPU); output is the int8 model's, which makes "
-            "float32's greedy choice at about 97%% of tokens; int4: GGUF's formats per 32 inputs, 4 bits "
-            "with a scale and minimum (Q4_1) where that is as close as 8 bits with a scale (Q8_0), those "
-            "8 bits elsewhere: a model from a GGUF file in these formats (the default model) gets its own "
-            "weights back exactly; speculation stays exact against the packed model's plain decoding",
+            "float32's bytes: plain decoding about 2.2x faster on a CPU); output is the int8 model's, "
+            "which makes float32's greedy choice at about 97%% of tokens; int4: GGUF's formats per 32 "
+            "inputs, 4 bits with a scale and minimum (Q4_1) where that is as close as 8 bits with a "
+            "scale (Q8_0), those 8 bits elsewhere: a model from a GGUF file in these formats (the "
+            "default model) gets its own weights back exactly; speculation stays exact against the "
+            "packed model's plain decoding",
         )
         parser.add_argument(
             "--runner",

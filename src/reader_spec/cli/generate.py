@@ -40,7 +40,7 @@ def add_parser(commands) -> None:
     gen.add_argument(
         "--chat", action="store_true", help="send --prompt as a user message through the chat template"
     )
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (128)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_sampling_options(gen)
     gen.add_argument("--batch-size", type=int, default=1, help="requests decoded together (default 1)")

@@ -33,7 +33,7 @@ def add_parser(commands) -> None:
         "--served-model-name", help=f"model id clients send (default: --model or {DEFAULT_MODEL_ID})"
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
     serve.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (default 8)")
     serve.add_argument(
         "--max-queue", type=int, default=256, help="requests that may wait beyond the batch (256)"
