@@ -149,33 +149,6 @@ def test_a_staircase_curve_is_priced_where_it_was_measured():
     assert allocate_at([third], model, 3) == [2]
 
 
-def test_interleaved_timing_alternates_order_and_skips_the_warm_up(monkeypatch):
-    order = []
-    clock = iter(range(1000))
-    monkeypatch.setattr(probe.time, "perf_counter", lambda: next(clock))
-    times = time_interleaved({1: lambda: order.append(1), 2: lambda: order.append(2)}, rounds=3)
-    assert order == [2, 1, 1, 2, 2, 1, 1, 2]  # warm-up round first, then alternating
-    assert times == {1: 1, 2: 1}
-
-
-def test_interleaved_timing_keeps_each_calls_fastest_round(monkeypatch):
-    """A burst of load slows some rounds; the pass's own cost is its fastest one, not the median."""
-    # warm-up (2, 1), then rounds (1, 2), (2, 1), (1, 2), (2, 1):
-    # call 1 takes 5, 7, 7, 8 and call 2 takes 1, 6, 6, 6
-    durations = iter([9, 9, 5, 1, 6, 7, 7, 6, 6, 8])
-    now = [0.0]
-
-    def clock():
-        return now[0]
-
-    def call():
-        now[0] += next(durations)
-
-    monkeypatch.setattr(probe.time, "perf_counter", clock)
-    times = time_interleaved({1: call, 2: call}, rounds=4)
-    assert times == {1: 5, 2: 1}  # the medians would be 7 and 6
-
-
 def test_corrupt_cost_file_is_ignored(tmp_path):
     path = tmp_path / "c.json"
     path.write_text("{not json")

@@ -349,6 +349,17 @@ def test_an_int8_copy_of_a_packed_model_verifies_close_to_float32(family, on_cpu
         assert (model(torch.tensor([tokens])).logits[0] - full_logits(case, tokens)).abs().max() < TOL
 
 
+def test_the_forward_fingerprint_covers_every_engine_module_a_pass_imports():
+    """Found from the imports: the modules a pass reaches only through others are there too, and the
+    loop's own bookkeeping (which never runs inside a pass) is not."""
+    from reader_spec.engine.runner import forward_sources
+
+    names = {path.stem if path.stem != "__init__" else path.parent.name for path in forward_sources()}
+    indirect = {"memory", "timing", "layouts", "rotary", "greedy_head"}  # not imported by runner.py itself
+    assert {"runner", "decoder", "kv_cache", "attention", "tree", "kernels", *indirect} <= names
+    assert not names & {"loop", "scheduler", "sampling", "acceptance", "sequence"}
+
+
 def test_the_forward_fingerprint_changes_with_the_code_a_pass_runs(monkeypatch, tmp_path):
     """Cost curves are cached under it: curves timed with older kernels are timed again."""
     from reader_spec.engine import kernels

@@ -9,7 +9,6 @@ so that calibrating never moves the caller's global random state.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -20,6 +19,7 @@ from transformers import PreTrainedModel
 from reader_spec.engine import kernels
 from reader_spec.engine.layouts import BLOCK, PANEL, to_blocks
 from reader_spec.engine.runner import ModelRunner, max_context_of, synchronizer, text_config
+from reader_spec.engine.timing import best_times
 from reader_spec.engine.tree import DraftTree
 from reader_spec.engine.weights import ROW_BUCKETS, PackedLinear
 
@@ -92,24 +92,10 @@ def time_interleaved(
     rounds: int = PROBE_ROUNDS,
     synchronize: Callable[[], None] = lambda: None,
 ) -> dict[Key, float]:
-    """Fastest wall time of each call over ``rounds`` after a warm-up round.
-
-    Load from other processes only ever adds time, and on shared cores it comes in bursts that can
-    cover half the rounds of one width (``docs/architecture.md`` has the case that bent a median-based
-    probe); the minimum is the pass's own cost. Rounds alternate their
-    order, so that slow drift hits every call alike. ``synchronize`` waits for an accelerator's queued
-    work, so that each time is the call's own.
-    """
-    keys = list(calls)
-    times: dict[Key, list[float]] = {key: [] for key in keys}
-    for round_ in range(rounds + 1):
-        for key in keys if round_ % 2 else reversed(keys):
-            start = time.perf_counter()
-            calls[key]()
-            synchronize()
-            if round_:
-                times[key].append(time.perf_counter() - start)
-    return {key: min(samples) for key, samples in times.items()}
+    """Each call's fastest round by key (:func:`~reader_spec.engine.timing.best_times`): a pass's own
+    cost, which a median would not give where bursts of load cover half the rounds of one width
+    (``docs/architecture.md`` has the case that bent a median-based probe)."""
+    return dict(zip(calls, best_times(list(calls.values()), rounds, synchronize), strict=True))
 
 
 @dataclass(frozen=True)

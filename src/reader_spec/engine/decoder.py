@@ -55,6 +55,7 @@ from reader_spec.engine.weights import (
     kernel_rows,
     pack_linears,
     packed_bytes,
+    row_bucket,
     time_together,
 )
 
@@ -287,7 +288,7 @@ class FastDecoder:
             self.lm_head.kernel_at(rows)
             for layer in self.layers:
                 layer.kernels_at(rows)
-        largest = next((b for b in ROW_BUCKETS if b >= max_rows), ROW_BUCKETS[-1])
+        largest = row_bucket(max_rows) or ROW_BUCKETS[-1]
         for rows in (b for b in ROW_BUCKETS if b <= largest):
             if self.greedy_head is not None:
                 self.greedy_head.wins(rows)
@@ -433,7 +434,7 @@ def compiled_attention_wins(heads: int, kv_heads: int, head_dim: int, tokens: in
     """Whether the compiled attention beats PyTorch's kernel on a prompt of ``tokens`` tokens, for this
     head layout (timed once per process and row bucket, when a pass first needs it; beyond the last
     bucket, PyTorch's)."""
-    bucket = next((b for b in ROW_BUCKETS if b >= tokens), None)
+    bucket = row_bucket(tokens)
     if bucket is None:
         return False
     key = (heads, kv_heads, head_dim, bucket)
@@ -453,15 +454,19 @@ def _time_attention(heads: int, kv_heads: int, head_dim: int, tokens: int) -> bo
     causal = torch.ones(1, tokens, tokens, dtype=torch.bool, device=cpu).tril_()
     zeros, offsets = torch.zeros(tokens, dtype=torch.long, device=cpu), torch.arange(tokens, device=cpu)
     mask = additive({"causal": causal[:, None]}, query.dtype)["causal"]
-    group, scaling = heads // kv_heads, head_dim**-0.5
+    scaling = head_dim**-0.5
 
     def compiled() -> None:
         torch.ops.reader_spec.attention(query, keys, values, causal, zeros, offsets, zeros, scaling, 0.0)
 
-    def pytorch() -> None:
-        repeated_keys, repeated_values = (t.repeat_interleave(group, dim=1) for t in (keys, values))
+    def pytorch() -> None:  # as FastDecoder._attention calls it: shared key/value heads read in place
         nn.functional.scaled_dot_product_attention(
-            query.transpose(0, 1)[None], repeated_keys, repeated_values, attn_mask=mask, scale=scaling
+            query.transpose(0, 1)[None],
+            keys,
+            values,
+            attn_mask=mask,
+            scale=scaling,
+            enable_gqa=kv_heads != heads,
         )
 
     with torch.inference_mode():

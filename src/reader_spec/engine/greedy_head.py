@@ -40,7 +40,7 @@ from reader_spec.engine.layouts import BLOCK, INT8_GROUP, PANEL, quantize_int8, 
 from reader_spec.engine.memory import PageArena
 from reader_spec.engine.timing import best_times
 from reader_spec.engine.tree import DraftTree
-from reader_spec.engine.weights import ROW_BUCKETS, PackedLinear
+from reader_spec.engine.weights import PackedLinear, row_bucket
 
 KEPT_PRIOR = 0.5
 """The share of draft rows the head is taken to compute to the end before it has run on any trees
@@ -160,7 +160,7 @@ class GreedyHead:
     def _seconds(self, rows: int) -> tuple[float, float] | None:
         """The bounded head's and the whole layer's seconds at the row bucket of ``rows`` (None past
         the last bucket), timed when first asked."""
-        bucket = next((b for b in ROW_BUCKETS if b >= rows), None)
+        bucket = row_bucket(rows)
         if bucket is None:
             return None
         if bucket not in self._seconds_by_bucket:

@@ -11,6 +11,7 @@ transformers' forward gets additive 4D masks and the cache as a ``Cache`` object
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import itertools
@@ -65,30 +66,36 @@ def synchronizer(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-FORWARD_MODULES = (
-    "runner",
-    "host",
-    "decoder",
-    "layers",
-    "rotary",
-    "greedy_head",
-    "weights",
-    "layouts",
-    "kv_cache",
-    "attention",
-)
-"""The engine modules whose code every pass runs."""
+def forward_sources() -> list[Path]:
+    """The Python files every pass runs: this module and the engine modules it imports, directly or
+    through each other (found from their import statements, so that a new module cannot be missed)."""
+    engine = Path(__file__).parent
+    found: set[Path] = set()
+    waiting = [Path(__file__)]
+    while waiting:
+        source = waiting.pop()
+        if source in found:
+            continue
+        found.add(source)
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "reader_spec.engine":
+                names = [alias.name for alias in node.names]  # `from reader_spec.engine import kernels`
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("reader_spec.engine."):
+                names = [node.module.split(".")[2]]
+            else:
+                continue
+            for name in names:
+                module = engine / f"{name}.py"
+                waiting.append(module if module.is_file() else engine / name / "__init__.py")
+    return sorted(found)
 
 
 @functools.cache
 def forward_fingerprint() -> str:
-    """A digest of the code every pass runs (this module, the fast decoder and its greedy head, the
-    weight layouts, the cache, attention and the compiled kernels): cost curves timed with other code
-    are timed again."""
-    engine = Path(__file__).parent
-    sources = [engine / f"{name}.py" for name in FORWARD_MODULES]
+    """A digest of the code every pass runs (:func:`forward_sources` and the compiled kernels): cost
+    curves timed with other code are timed again."""
     digest = hashlib.sha256()
-    for source in [*sources, *kernels.SOURCES, *kernels.HEADERS]:
+    for source in [*forward_sources(), *kernels.SOURCES, *kernels.HEADERS]:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 
@@ -165,7 +172,7 @@ class ModelRunner:
         (:mod:`reader_spec.engine.greedy_head`).
 
         Everything is written past each row's committed length; the caller then commits the
-        accepted nodes with ``cache.commit``.
+        accepted nodes with ``cache.commit_rows``.
         """
         greedy = list(greedy) if greedy is not None else [False] * len(trees)
         if len(trees) > 1 and not self.packed:

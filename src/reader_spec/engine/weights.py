@@ -117,11 +117,11 @@ class Kernel(enum.IntEnum):
 class PackedLinear(nn.Module):
     """``F.linear(x, W, b)`` with ``W`` stored for the shapes the engine runs.
 
-    ``blocked``: ``weight`` is ``[blocks x 2, in, 16]`` (CPU, float32: :func:`to_blocks`; int8:
-    :func:`to_groups`), else the plain matrix. A fused matrix knows where its parts' outputs lie
-    (``parts``: start and size of each), for :meth:`split`. ``scales`` (int8 weights): ``W = weight *
-    scales`` per output row, one scale per stored row (blocked: padding rows included); the bias stays
-    in the model's dtype.
+    ``blocked``: ``weight`` is ``[blocks x 2, in, 16]`` (CPU, float32: :func:`to_blocks`) or
+    ``[blocks, ceil(in / 4), 128]`` (int8: :func:`to_groups`), else the plain matrix. A fused matrix
+    knows where its parts' outputs lie (``parts``: start and size of each), for :meth:`split`.
+    ``scales`` (int8 weights): ``W = weight * scales`` per output row, one scale per stored row
+    (blocked: padding rows included); the bias stays in the model's dtype.
     Weights quantized per group (``weight_format`` in :data:`GROUPED_BITS`): blocked, the layouts of
     :func:`to_nibbles` (int4) and :func:`to_grouped_int8`, ``scales`` ``[blocks, in / 32, 64 or 32]``
     (float16 bits held as int16 so that the model's dtype stays its float one); plain, ``q`` as
@@ -169,7 +169,7 @@ class PackedLinear(nn.Module):
                 return torch.ops.reader_spec.grouped_linear(
                     x, self.weight, self.scales, self.bias, self.in_features, self.out_features
                 )
-            return nn.functional.linear(x, self.plain_weight(), self.bias)  # without the compiler
+            return nn.functional.linear(x, self.plain_weight(), self.bias)  # no compiler, or past 512 rows
         if self.scales is not None:
             return self._forward_int8(x, rows, compiled)
         if compiled:
@@ -490,10 +490,15 @@ def time_together(linears: Sequence[PackedLinear]) -> None:
         linear.same_pass = same_pass
 
 
+def row_bucket(rows: int) -> int | None:
+    """The bucket whose timed choice a pass of ``rows`` rows takes (None: past the last bucket)."""
+    return next((bucket for bucket in ROW_BUCKETS if bucket >= rows), None)
+
+
 def kernel_rows(max_rows: int) -> list[int]:
     """The row counts at which kernel choices are timed for passes of up to ``max_rows`` rows: each up
     to :data:`AHEAD_TIMED_ROWS`, then the buckets (through the one holding ``max_rows``)."""
-    largest = next((b for b in ROW_BUCKETS if b >= max_rows), ROW_BUCKETS[-1])
+    largest = row_bucket(max_rows) or ROW_BUCKETS[-1]
     exact = range(1, min(AHEAD_TIMED_ROWS, largest) + 1)
     return [*exact, *(b for b in ROW_BUCKETS if AHEAD_TIMED_ROWS < b <= largest)]
 
@@ -503,13 +508,14 @@ def _fastest_kernel(weights: Sequence[torch.Tensor], rows: int, same_pass: Seque
     ``weights``, every matrix of that shape, per row bucket; up to :data:`AHEAD_TIMED_ROWS` rows,
     whether the compiled kernel requests ahead is timed at the row count itself, on ``same_pass``).
 
-    int8 weights: the compiled kernel up to the last row bucket, whenever it is built (measured: the
-    batched matmul first converts the whole matrix to float, 2 to 25 times slower at 1 to 64 rows);
-    beyond, where that conversion is paid once for many rows, the batched matmul, as for float32.
+    Integer weights (int8, and int4 or int8 per group, all stored as bytes): the compiled kernel up to
+    the last row bucket, whenever it is built (the batched matmul first converts the whole matrix to
+    float); beyond, where that conversion is paid once for many rows, the batched matmul, as for
+    float32.
     """
     if weights[0].dtype == torch.uint8:
         return Kernel.COMPILED if rows <= ROW_BUCKETS[-1] and kernels.available() else Kernel.BATCHED
-    bucket = next((b for b in ROW_BUCKETS if b >= rows), None)
+    bucket = row_bucket(rows)
     if bucket is None or not kernels.available():
         return Kernel.BATCHED
     choices = _CHOICES.setdefault((weights[0].shape[0], weights[0].shape[1]), {})
