@@ -9,6 +9,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
+from reader_spec.engine import kernels
 from reader_spec.loading import LoadedModel, tokenizer_fingerprint
 
 TINY_VOCAB = 96
@@ -71,6 +72,17 @@ def on_cpu():
     checks the same thing on every machine."""
     with torch.device("cpu"):
         yield
+
+
+KERNELS_MISSING = "the compiled kernels must build on this machine (make builds them)"
+
+
+@pytest.fixture
+def compiled_kernels():
+    """For a test of the compiled kernels, which must build wherever the tests run: a missing compiler
+    fails the test instead of testing the fallback twice."""
+    if not kernels.available():
+        pytest.fail(KERNELS_MISSING)
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,8 @@ from reader_spec.budget.realized import EXTRA_RANGE, DraftingGate, RealizedAccep
 from reader_spec.engine.runner import ModelRunner
 from reader_spec.engine.tree import EMPTY_PROPOSAL, chain_proposal
 
-# Shaped like this machine's measured batch-1 curve (seconds by draft tokens): 7 drafts, 8 tree
-# tokens, cost ~1.8 plain steps.
+# Shaped like a CPU's measured batch-1 curve (seconds by draft tokens): 7 drafts, 8 tree tokens, cost
+# ~1.8 plain steps.
 CURVE = {
     0: 0.042,
     1: 0.043,
@@ -55,7 +55,8 @@ def test_interpolates_draft_counts_and_batches():
     assert model.seconds(1, 7) == pytest.approx(0.076)
     assert model.seconds(1, 9) == pytest.approx((0.076 + 0.080) / 2)
     assert model.seconds(3, 0) == pytest.approx(0.042 * 2.0)  # halfway between batch 2 and 4
-    assert model.table(3, 9) == [model.seconds(3, d) for d in range(10)]
+    halfway = [(model.seconds(2, d) + model.seconds(4, d)) / 2 for d in range(10)]
+    assert model.table(3, 9) == pytest.approx(halfway)
 
 
 def test_calibration_measures_missing_curves_once_and_persists(tmp_path):
@@ -127,7 +128,9 @@ def test_cost_grows_with_context_as_measured_at_the_long_context():
     assert model.seconds(4, 8, LONG_CONTEXT) == pytest.approx(2.8)
     assert model.seconds(4, 4, PROBE_CONTEXT + long / 2) == pytest.approx(1.2 + 0.6)  # slope 1.2/long
     assert model.seconds(4, 16, LONG_CONTEXT) == pytest.approx(1.8 + 1.8)  # slope extrapolated to 1.8/long
-    assert model.table(4, 16, 700) == pytest.approx([model.seconds(4, d, 700) for d in range(17)])
+    at = (700 - PROBE_CONTEXT) / long  # slopes 1/long, 1.2/long (interpolated), 1.4/long at 0, 4, 8 drafts
+    table = model.table(4, 8, 700)
+    assert [table[0], table[4], table[8]] == pytest.approx([1.0 + at, 1.2 + 1.2 * at, 1.4 + 1.4 * at])
 
 
 def test_probes_every_total_up_to_the_dense_limit_then_sparse_ones_up_to_the_budget():

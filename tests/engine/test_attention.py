@@ -1,4 +1,4 @@
-"""Packed attention equals attention slot by slot; grouped-query attention equals transformers' ``sdpa``."""
+"""Packed attention equals each cache row's alone; grouped-query attention equals transformers' ``sdpa``."""
 
 import pytest
 import torch
@@ -35,8 +35,9 @@ def inputs(queries: int, seed: int = 0):
     return query, key, value, mask
 
 
-@pytest.mark.parametrize("queries", [1, 2, 5, 16])
-def test_equals_sdpa(queries):
+@pytest.mark.parametrize("queries", [2, 5, 16])
+def test_equals_sdpa(queries, on_cpu):
+    """Masked multi-token queries on a CPU: the queries it takes over (others go to transformers')."""
     query, key, value, mask = inputs(queries)
     ours, _ = grouped_sdpa_attention(Module(), query, key, value, mask, scaling=0.3)
     theirs, _ = sdpa_attention_forward(Module(), query, key, value, mask, scaling=0.3)
@@ -55,6 +56,8 @@ def test_takes_over_only_masked_multi_token_queries(monkeypatch, on_cpu):
     grouped_sdpa_attention(Module(), query, key, value, None)  # causal, no mask
     grouped_sdpa_attention(Module(), query, key, value, mask, softcap=30.0)
     assert len(calls) == 3
+    grouped_sdpa_attention(Module(), *(t.to("meta") for t in (query, key, value, mask)))  # not a CPU
+    assert len(calls) == 4
 
 
 def shape(layout):
@@ -73,17 +76,17 @@ def pack_rows(widths, lengths, call_cost=CPU_CALL_COST):
     return pack(widths, lengths, list(range(len(widths))), call_cost)
 
 
-def test_pack_groups_slots_by_cost():
+def test_pack_groups_rows_by_cost():
     widths, lengths = [1, 1, 4, 4, 1, 2], [10, 30, 5, 7, 2, 9]
-    # Free calls: every slot alone, attending to exactly its own keys.
+    # Free calls: every row alone, attending to exactly its own keys.
     assert shape(pack_rows(widths, lengths, call_cost=0)) == [
-        (slot, 1, w, n + w, w, False) for slot, (w, n) in enumerate(zip(widths, lengths, strict=True))
+        (row, 1, w, n + w, w, False) for row, (w, n) in enumerate(zip(widths, lengths, strict=True))
     ]
     # Dear calls: everything in one padded group.
     assert shape(pack_rows(widths, lengths, call_cost=10**9)) == [(0, 6, 4, 34, 13, True)]
-    # Equal slots stay together whatever a call costs.
+    # Equal rows stay together whatever a call costs.
     assert shape(pack_rows([2] * 5, [40] * 5, call_cost=0)) == [(0, 5, 2, 42, 10, False)]
-    # One deep tree among lone roots is not worth padding 31 slots to 17 tokens of 600-token contexts,
+    # One deep tree among lone roots is not worth padding 31 rows to 17 tokens of 600-token contexts,
     # nor one long prompt worth 31 short ones attending over 2,000 masked keys.
     assert shape(pack_rows([1] * 31 + [17], [600] * 32)) == [
         (0, 31, 1, 601, 31, False),
@@ -140,7 +143,7 @@ def test_where_pairs_are_free_a_batch_attends_in_one_call(monkeypatch):
 
 
 @pytest.mark.parametrize("call_cost", [0, 10**9, 30])
-def test_packed_equals_each_slot_alone(call_cost):
+def test_packed_equals_each_row_alone(call_cost):
     torch.manual_seed(3)
     widths, lengths = [1, 1, 5, 2, 2, 1], [7, 19, 3, 12, 0, 15]
     kv_length = max(n + w for n, w in zip(lengths, widths, strict=True))
@@ -148,8 +151,8 @@ def test_packed_equals_each_slot_alone(call_cost):
     key, value = torch.randn(len(widths), 2, kv_length, 8), torch.randn(len(widths), 2, kv_length, 8)
     allowed = torch.rand(len(widths), 1, max(widths), kv_length) > 0.3
     allowed[..., 0] = True
-    for slot, (width, length) in enumerate(zip(widths, lengths, strict=True)):
-        allowed[slot, :, :, length + width :] = False  # as the runner's masks: nothing past its own tokens
+    for row, (width, length) in enumerate(zip(widths, lengths, strict=True)):
+        allowed[row, :, :, length + width :] = False  # as the runner's masks: nothing past its own tokens
     mask = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
     layout = pack_rows(widths, lengths, call_cost)
     ours, _ = packed(grouped_sdpa_attention)(
@@ -157,14 +160,14 @@ def test_packed_equals_each_slot_alone(call_cost):
     )
     assert layout.calls == 1
     start = 0
-    for slot, (width, length) in enumerate(zip(widths, lengths, strict=True)):
+    for row, (width, length) in enumerate(zip(widths, lengths, strict=True)):
         keys = slice(0, length + width)
         alone, _ = sdpa_attention_forward(
             Module(),
             query[:, :, start : start + width],
-            key[slot : slot + 1, :, keys],
-            value[slot : slot + 1, :, keys],
-            mask[slot : slot + 1, :, :width, keys],
+            key[row : row + 1, :, keys],
+            value[row : row + 1, :, keys],
+            mask[row : row + 1, :, :width, keys],
             scaling=0.3,
         )
         assert (ours[:, start : start + width] - alone).abs().max() < 1e-6

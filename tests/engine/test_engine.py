@@ -242,7 +242,7 @@ def test_drafts_whose_estimates_run_high_stop_being_verified(tiny, prompts, plai
     assert factor < 0.9
     monkeypatch.setattr(RealizedAcceptance, "record", lambda self, expected, accepted: None)
     trusting, factor = drafted(Engine(tiny, ScriptedDrafter(references, 1.0), budget=6, costs=linear))
-    assert factor == 1.0 and trusting > 5 * learning > 0
+    assert trusting > 5 * learning > 0
 
 
 def test_drafting_that_takes_longer_than_its_drafts_save_is_mostly_skipped(tiny, prompts, plain_outputs):

@@ -9,12 +9,13 @@ from reader_spec.engine import kernels
 from reader_spec.engine.greedy_head import UNBOUNDED, UNNEEDED, GreedyHead, tree_rows
 from reader_spec.engine.tree import DraftTree
 from reader_spec.engine.weights import ROW_BUCKETS, pack_linears
+from tests.conftest import KERNELS_MISSING
 
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
     if not kernels.available():
-        pytest.fail("the compiled kernels must build on this machine (make builds them)")
+        pytest.fail(KERNELS_MISSING)
 
 
 def head_of(weight: torch.Tensor, bounded: bool = True):

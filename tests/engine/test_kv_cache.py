@@ -7,6 +7,7 @@ import torch
 
 from reader_spec.engine import kernels
 from reader_spec.engine.kv_cache import RaggedKVCache
+from tests.conftest import KERNELS_MISSING
 
 
 @pytest.fixture(params=["compiled", "indexed"])
@@ -15,7 +16,7 @@ def moves(request, monkeypatch):
     if request.param == "indexed":
         monkeypatch.setattr(kernels, "available", lambda: False)
     elif not kernels.available():
-        pytest.fail("the compiled kernels must build on this machine (make builds them)")
+        pytest.fail(KERNELS_MISSING)
     return request.param
 
 
@@ -62,11 +63,9 @@ def test_commit_of_one_row_leaves_the_others_alone(moves):
         assert torch.equal(layer.keys[1, :, 5], keys[1, :, 7])
 
 
-def test_compiled_moves_read_every_entry_before_writing_like_an_indexed_copy(on_cpu):
+def test_compiled_moves_read_every_entry_before_writing_like_an_indexed_copy(on_cpu, compiled_kernels):
     """Entries that trade places (never in a commit, whose entries only move down) end up swapped, as
     an indexed copy leaves them; entries outside a buffer are refused before anything moves."""
-    if not kernels.available():
-        pytest.fail("the compiled kernels must build on this machine (make builds them)")
     generator = torch.Generator().manual_seed(1)
     buffers = [torch.randn(3, 2, 8, 5, generator=generator) for _ in range(4)]
     expected = [buffer.clone() for buffer in buffers]

@@ -5,12 +5,13 @@ import torch
 import torch.nn.functional as F
 
 from reader_spec.engine import kernels
+from tests.conftest import KERNELS_MISSING
 
 
 @pytest.fixture(scope="module")
 def ops():
     if not kernels.available():
-        pytest.fail("the compiled kernels must build on this machine (make builds them)")
+        pytest.fail(KERNELS_MISSING)
     return torch.ops.reader_spec
 
 

@@ -25,7 +25,7 @@ from reader_spec.engine.layouts import dequantize_int4, quantize_int4
 from reader_spec.engine.runner import ModelRunner, pack_weights, sliding_window_of
 from reader_spec.engine.tree import DraftTree
 from reader_spec.engine.weights import GROUPED_BITS, PackedLinear
-from tests.conftest import TEST_DEVICE
+from tests.conftest import KERNELS_MISSING, TEST_DEVICE
 
 VOCAB = 64
 SMALL = dict(
@@ -107,7 +107,7 @@ def make_runner(case: Case, num_rows: int, capacity: int) -> ModelRunner:
         runner = ModelRunner(case.model, num_rows=num_rows, capacity=capacity, runner="fast")
         assert runner.name == "fast"
         if case.runner == "fast" and not runner.decoder.fused:
-            pytest.fail("the compiled kernels must build on this machine (make builds them)")
+            pytest.fail(KERNELS_MISSING)
         runner.decoder.fused = case.runner == "fast"
         return runner
     runner = ModelRunner(case.model, num_rows=num_rows, capacity=capacity, runner="transformers")
@@ -422,7 +422,7 @@ def test_whole_compiled_layers_compute_the_bits_of_the_layer_by_layer_path(
             pack_weights(copied, "int8")
         runner = ModelRunner(copied, num_rows=4, capacity=48, runner="fast")
         if not runner.decoder.fused:
-            pytest.fail("the compiled kernels must build on this machine (make builds them)")
+            pytest.fail(KERNELS_MISSING)
         runner.decoder.native = native
         runners.append(runner)
     decoder = runners[0].decoder

@@ -10,6 +10,7 @@ import reader_spec.engine.weights as weights
 from reader_spec.engine import kernels
 from reader_spec.engine.layouts import int4_fits, to_blocks
 from reader_spec.engine.weights import PackedLinear, pack_linears
+from tests.conftest import KERNELS_MISSING
 
 TOL = 1e-5
 
@@ -31,7 +32,7 @@ def kernel(request, monkeypatch):
     """Force one kernel for every row count (the engine picks per shape and row count by timing);
     ``compiled`` stands for both compiled ones where only the arithmetic matters."""
     if request.param != "batched matmul" and not kernels.available():
-        pytest.fail("the compiled kernels must build on this machine (make builds them)")
+        pytest.fail(KERNELS_MISSING)
     monkeypatch.setattr(weights, "_fastest_kernel", lambda weights, rows, same_pass: KERNELS[request.param])
     return "batched matmul" if request.param == "batched matmul" else "compiled"
 
@@ -89,9 +90,7 @@ def test_float32_blocks_are_stored_as_two_panels_of_16_columns():
     assert (blocks[2, :, 8:] == 0).all() and (blocks[3] == 0).all()
 
 
-def test_the_compiled_product_refuses_a_matrix_in_another_layout():
-    if not kernels.available():
-        pytest.fail("the compiled kernels must build on this machine (make builds them)")
+def test_the_compiled_product_refuses_a_matrix_in_another_layout(compiled_kernels):
     x = torch.randn(2, 40)
     wrong = (torch.zeros(2, 40, 32), torch.zeros(3, 40, 16), torch.zeros(4, 40, 16, dtype=torch.float64))
     for weight in wrong:  # blocks of 32 columns, half a block, float64
@@ -99,9 +98,7 @@ def test_the_compiled_product_refuses_a_matrix_in_another_layout():
             torch.ops.reader_spec.blocked_linear(x, weight, None, 32)
 
 
-def test_the_compiled_lookup_refuses_a_token_outside_the_matrix():
-    if not kernels.available():
-        pytest.fail("the compiled kernels must build on this machine (make builds them)")
+def test_the_compiled_lookup_refuses_a_token_outside_the_matrix(compiled_kernels):
     packed, _ = pack_linears([linear(96, 40, bias=False, seed=3)])
     with pytest.raises(RuntimeError, match="token 96 outside the 96 rows"):
         packed.rows_of(torch.tensor([3, 96]))
@@ -240,13 +237,11 @@ def test_an_int8_module_saves_and_looks_up_the_dequantized_matrix():
 
 
 @pytest.mark.parametrize("weight_format", ["float32", "int8", "int4", "int8-grouped"])
-def test_rows_do_not_depend_on_the_rest_of_the_pass(weight_format):
+def test_rows_do_not_depend_on_the_rest_of_the_pass(weight_format, compiled_kernels):
     """The compiled ops sum each column over k in order (quantized: in integers, exact in any order,
     each row rounded on its own), whatever the tile: a row's outputs are the same alone, among 2 or 3
     rows, in a full register tile, in several tiles, on 1 or 2 threads, requesting the weights ahead
     or not."""
-    if not kernels.available():
-        pytest.fail("the compiled kernels must build on this machine (make builds them)")
     module = linear(157, 64, bias=True, seed=6)  # 5 blocks, the last partial: an unpaired one
     if weight_format in GRIDS:
         module.weight.copy_(GRIDS[weight_format](157, 64, seed=6))
@@ -278,11 +273,9 @@ def test_rows_do_not_depend_on_the_rest_of_the_pass(weight_format):
     assert ((together - expected).abs() <= tolerance).all()
 
 
-def test_many_rows_taken_a_share_at_a_time_give_each_row_its_own_result():
+def test_many_rows_taken_a_share_at_a_time_give_each_row_its_own_result(compiled_kernels):
     """Rows beyond what L2 holds beside a block (here 16 KB each) are multiplied a share at a time,
     every share by every block: each row's outputs stay those it gets alone."""
-    if not kernels.available():
-        pytest.fail("the compiled kernels must build on this machine (make builds them)")
     module = linear(70, 4096, bias=True, seed=7)
     packed, _ = pack_linears([module])
     x = torch.randn(100, 4096)
@@ -334,7 +327,7 @@ def grid_linear(out_features: int, in_features: int, bias: bool, seed: int, stor
     return module
 
 
-def test_int4_keeps_a_gguf_files_matrices_exactly(grouped):
+def test_int4_keeps_a_gguf_files_matrices_exactly(grouped, monkeypatch):
     module = grid_linear(100, 96, bias=True, seed=4, stored=grouped)  # 100 outputs: a partial last block
     weight, bias = module.weight.clone(), module.bias.clone()
     assert int4_fits(weight) == (grouped == "int4")
@@ -349,13 +342,12 @@ def test_int4_keeps_a_gguf_files_matrices_exactly(grouped):
     tokens = torch.tensor([0, 7, 8, 15, 16, 23, 24, 31, 32, 99])  # every octet of columns in a block
     assert torch.equal(packed.rows_of(tokens), weight[tokens])
     assert torch.equal(packed.rows_of(tokens[None]), weight[tokens][None])
-    # the compiled lookup and the indexing give the same rows
-    assert torch.equal(packed._grouped_rows(tokens, compiled=False), weight[tokens])
+    # the indexing gives the compiled lookup's rows
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    assert torch.equal(packed.rows_of(tokens), weight[tokens])
 
 
-def test_the_compiled_grouped_lookup_refuses_a_token_outside_the_matrix(grouped):
-    if not kernels.available():
-        pytest.fail("the compiled kernels must build on this machine (make builds them)")
+def test_the_compiled_grouped_lookup_refuses_a_token_outside_the_matrix(grouped, compiled_kernels):
     packed, _ = pack_linears([grid_linear(100, 64, bias=False, seed=5, stored=grouped)], weights="int4")
     assert packed.weight_format == grouped
     with pytest.raises(RuntimeError, match="grouped_rows: token 128 outside the 128 rows"):
@@ -565,13 +557,13 @@ def test_the_kernel_library_is_loaded_once_whatever_the_cache_directory_says(mon
         kernels.available.cache_clear()
 
 
-def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_near_ties(monkeypatch):
+def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_near_ties(
+    monkeypatch, compiled_kernels
+):
     """Timing reads each matrix of the shape once per round, as a pass does; the batched matmul runs a
     row bucket only where it timed clearly faster than the compiled kernel with or without requests
     ahead (a pass favours the compiled kernel, see ``BATCHED_MARGIN``); whether the compiled kernel
     requests ahead is its own choice (``_reads_ahead``)."""
-    if not kernels.available():
-        pytest.fail("the compiled kernels must build on this machine (make builds them)")
     packed = [pack_linears([linear(64, 40, bias=False, seed=s)])[0] for s in range(3)]
     other = pack_linears([linear(32, 40, bias=False, seed=9)])[0]
     weights.time_together([*packed, other])
@@ -618,12 +610,10 @@ def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_
     assert packed[0].kernel_at(beyond) == Kernel.BATCHED and len(calls) == 6  # beyond: batched
 
 
-def test_requests_ahead_are_timed_at_each_row_count_on_every_matrix_of_a_pass(monkeypatch):
+def test_requests_ahead_are_timed_at_each_row_count_on_every_matrix_of_a_pass(monkeypatch, compiled_kernels):
     """Up to ``AHEAD_TIMED_ROWS`` rows, whether the compiled kernel requests its weights ahead is timed
     at each row count (not per bucket) on all the float32 matrices given together, in their order (as
     a pass reads them), once each; ties go to no requests."""
-    if not kernels.available():
-        pytest.fail("the compiled kernels must build on this machine (make builds them)")
     first = pack_linears([linear(64, 40, bias=False, seed=1)])[0]
     wide = pack_linears([linear(96, 24, bias=False, seed=2)])[0]
     last = pack_linears([linear(64, 40, bias=False, seed=3)])[0]

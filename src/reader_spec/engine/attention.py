@@ -187,12 +187,31 @@ def _time_call_cost(
     return max(0, round(per_call / per_pair))
 
 
-def _plain_sdpa(module, query, key, value, mask, **kwargs) -> tuple[torch.Tensor, None]:
-    """PyTorch's kernel as the packed passes call it, shared heads read in place."""
+def in_place_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """PyTorch's kernel on ``[rows, heads, width, dim]`` queries, key/value heads shared by several
+    query heads read in place (not copied per query head); returns ``[rows, width, heads, dim]``."""
     output = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, enable_gqa=query.shape[1] != key.shape[1]
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=dropout,
+        scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1],
     )
-    return output.transpose(1, 2), None
+    return output.transpose(1, 2)
+
+
+def _plain_sdpa(module, query, key, value, mask, **kwargs) -> tuple[torch.Tensor, None]:
+    """PyTorch's kernel as the packed passes call it."""
+    return in_place_sdpa(query, key, value, mask), None
 
 
 def visibility(
@@ -312,19 +331,12 @@ def grouped_sdpa_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    output = torch.nn.functional.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=attention_mask,
-        dropout_p=dropout,
-        scale=scaling,
-        enable_gqa=True,
-    )
-    return output.transpose(1, 2).contiguous(), None
+    return in_place_sdpa(query, key, value, attention_mask, scaling, dropout).contiguous(), None
 
 
-def model_eager_attention(module: torch.nn.Module, *args, **kwargs):
+def model_eager_attention(
+    module: torch.nn.Module, *args, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The eager attention of the module's own modeling file (what ``eager`` would have run)."""
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if eager is None:

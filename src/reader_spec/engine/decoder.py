@@ -23,7 +23,6 @@ transformers (``ModelRunner``).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,7 +32,7 @@ from transformers import PreTrainedModel
 from transformers.activations import SiLUActivation
 
 from reader_spec.engine import kernels
-from reader_spec.engine.attention import PackedLayout, additive, packed
+from reader_spec.engine.attention import PackedLayout, additive, in_place_sdpa, model_eager_attention, packed
 from reader_spec.engine.greedy_head import GreedyHead, tree_rows
 from reader_spec.engine.host import longs
 from reader_spec.engine.kv_cache import RaggedKVCache, RaggedLayer
@@ -104,9 +103,6 @@ class FastDecoder:
         self.weights = weights
         core = model.model
         attention0 = core.layers[0].self_attn
-        self.eager_attention = getattr(
-            sys.modules[type(attention0).__module__], "eager_attention_forward", None
-        )
         self.head_dim = attention0.head_dim
         self.scaling = attention0.scaling
         self.rotary = RotaryTables(core.rotary_emb)
@@ -129,6 +125,7 @@ class FastDecoder:
             pack_layer(layer, kind, self.head_dim, weights, self.arena)
             for layer, kind in zip(core.layers, layer_kinds(model.config), strict=True)
         ]
+        self.kv_heads = self.layers[0].qkv.parts[1][1] // self.head_dim
         self.kinds = stack_kinds(self.layers)
         """The layers' attention kinds, in the compiled stack's order."""
         time_together([*(linear for layer in self.layers for linear in layer.linears), self.lm_head])
@@ -268,8 +265,7 @@ class FastDecoder:
         """The compiled attention's view of a pass; the cache's buffers allocated if need be."""
         for layer_cache in cache.layers:
             if layer_cache.keys is None:
-                kv_heads = self.layers[0].qkv.parts[1][1] // self.head_dim
-                empty = hidden.new_empty(0, kv_heads, self.head_dim)
+                empty = hidden.new_empty(0, self.kv_heads, self.head_dim)
                 layer_cache.destination(empty, empty)
         _, token_row, position, _ = cache.window()
         token_tree = longs([tree for tree, width in enumerate(widths) for _ in range(width)])
@@ -304,8 +300,7 @@ class FastDecoder:
         """Whether a pass of ``tokens`` tokens runs the compiled attention (and whole layers)."""
         if tokens <= NATIVE_ROWS:
             return True
-        kv_heads = self.layers[0].qkv.parts[1][1] // self.head_dim
-        return compiled_attention_wins(self.layers[0].heads, kv_heads, self.head_dim, tokens)
+        return compiled_attention_wins(self.layers[0].heads, self.kv_heads, self.head_dim, tokens)
 
     def _native_runs(self, rotary: dict[str, Rotation]) -> bool:
         """Whether this pass's layers can run whole: the rotary embedding turns whole heads."""
@@ -360,10 +355,7 @@ class FastDecoder:
     def _head_norm(self, norm: nn.Module, heads: torch.Tensor) -> torch.Tensor:
         """A per-head norm of ``[rows, head_dim]``: the compiled RMSNorm where the layers run compiled
         (the arithmetic of ``DecoderLayer``), else the family's."""
-        if self.fused and getattr(norm, "variance_epsilon", None) is not None:
-            epsilon = norm.variance_epsilon
-            return torch.ops.reader_spec.add_rms_norm(heads.contiguous(), None, norm.weight, epsilon)
-        return _norm(norm, heads)
+        return self._add_norm(heads.contiguous(), None, norm)[1]
 
     def _rotate_and_store(
         self,
@@ -420,11 +412,8 @@ class FastDecoder:
         place; ``mask`` is additive. Returns ``[rows, width, heads, dim]``. Soft-capped scores (Gemma 2)
         go through the family's eager attention."""
         if softcap is not None:
-            return self.eager_attention(module, query, key, value, mask, scaling=scaling, softcap=softcap)
-        output = nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
-        )
-        return output.transpose(1, 2), None
+            return model_eager_attention(module, query, key, value, mask, scaling=scaling, softcap=softcap)
+        return in_place_sdpa(query, key, value, mask, scaling), None
 
 
 _ATTENTION_CHOICES: dict[tuple[int, int, int, int], bool] = {}

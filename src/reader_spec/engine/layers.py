@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.activations import SiLUActivation
 
 from reader_spec.engine.memory import PageArena
@@ -188,7 +189,7 @@ def native_stack(layers: list[PackedLayer], final_norm: nn.Module) -> torch.Scri
     return stack
 
 
-def layer_kinds(config) -> list[str]:
+def layer_kinds(config: PretrainedConfig) -> list[str]:
     """Each layer's attention kind: its ``layer_types`` entry, or sliding everywhere where a window is
     set without them (Mistral)."""
     layer_types = getattr(config, "layer_types", None)

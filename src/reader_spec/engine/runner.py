@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 
 from reader_spec.engine import kernels
 from reader_spec.engine.attention import (
@@ -35,6 +35,7 @@ from reader_spec.engine.attention import (
 from reader_spec.engine.decoder import FAST_FAMILIES, FastDecoder, supports
 from reader_spec.engine.host import longs
 from reader_spec.engine.kv_cache import RaggedKVCache
+from reader_spec.engine.layers import layer_kinds
 from reader_spec.engine.tree import DraftTree
 from reader_spec.engine.weights import WEIGHT_FORMATS
 
@@ -49,11 +50,12 @@ RUNNERS = ("auto", "fast", "transformers")
 log = logging.getLogger(__name__)
 
 
-def text_config(config):
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The language model's config (a multimodal config holds it as its text config)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def max_context_of(config) -> int | None:
+def max_context_of(config: PretrainedConfig) -> int | None:
     """The most positions the model was trained on (None where its config does not say)."""
     positions = getattr(text_config(config), "max_position_embeddings", None)
     return int(positions) if positions else None
@@ -107,18 +109,11 @@ def device_description(device: torch.device) -> str:
     return str(device)
 
 
-def sliding_window_of(config) -> int | None:
-    """The sliding window size if any layer of this model uses local attention.
-
-    Configs with ``layer_types`` say which layers slide; a window without them (Mistral) applies to
-    every layer.
-    """
+def sliding_window_of(config: PretrainedConfig) -> int | None:
+    """The sliding window size if any layer of this model uses local attention (:func:`layer_kinds`)."""
     config = text_config(config)
-    layer_types = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None)
-    if window and (layer_types is None or "sliding_attention" in layer_types):
-        return int(window)
-    return None
+    return int(window) if window and "sliding_attention" in layer_kinds(config) else None
 
 
 class ModelRunner:

@@ -285,11 +285,11 @@ class PackedLinear(nn.Module):
         )
         return values.reshape(blocks * BLOCK, self.in_features)[: self.out_features]
 
-    def _grouped_rows(self, rows: torch.Tensor, compiled: bool = True) -> torch.Tensor:
+    def _grouped_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows`` of the matrix quantized per group, dequantized (``[..., in]`` in the model's
-        dtype): blocked, in one compiled loop where the kernels are built (``compiled``), or by the
-        indexing below, which gives the same bits."""
-        if compiled and self.blocked and rows.device.type == "cpu" and kernels.available():
+        dtype): blocked, in one compiled loop where the kernels are built, or by the indexing below,
+        which gives the same bits."""
+        if self.blocked and rows.device.type == "cpu" and kernels.available():
             return torch.ops.reader_spec.grouped_rows(self.weight, self.scales, rows, self.in_features)
         groups = self.in_features // WEIGHT_GROUP
         if not self.blocked:
