@@ -25,7 +25,7 @@ from reader_spec.bench.results import (
 from reader_spec.bench.runner import recorded, run_bench, turn_messages
 from reader_spec.bench.spec_bench import Question, load_questions
 from reader_spec.cli import main
-from reader_spec.config import GenerationConfig
+from reader_spec.config import SAMPLING_FIELDS, GenerationConfig
 from reader_spec.drafters import DRAFTERS
 from reader_spec.engine.loop import Engine
 from reader_spec.engine.runner import forward_fingerprint
@@ -480,7 +480,13 @@ def test_cli_bench_writes_results(capsys, tiny_llama_dir, suite, tmp_path):
 
 @pytest.mark.parametrize(
     ("line", "message"),
-    [("{oops", "not valid JSON"), ('{"question_id": 1, "turns": []}', "not a Spec-Bench")],
+    [
+        ("{oops", "not valid JSON"),
+        ('{"question_id": 1, "turns": []}', "not a Spec-Bench"),
+        ('{"question_id": 1, "category": "qa", "turns": []}', "not a Spec-Bench"),
+        ('{"question_id": 1, "category": "qa", "turns": "one string"}', "not a Spec-Bench"),
+        ('{"question_id": 1, "category": "qa", "turns": ["a", 2]}', "not a Spec-Bench"),
+    ],
 )
 def test_bad_suite_lines_name_the_line(tmp_path, line, message):
     path = tmp_path / "suite.jsonl"
@@ -532,3 +538,13 @@ def test_results_name_the_processor_by_family_and_model(tmp_path):
     assert "AMD EPYC (family 23 model 1, AVX2), 2 threads" in markdown(environment, {}, [], [])
     environment |= {"cpu_id": "", "cpu_capability": None}  # results written before either was recorded
     assert "AMD EPYC, 2 threads" in markdown(environment, {}, [], [])
+
+
+def test_results_say_how_tokens_were_chosen():
+    def header(**changed):
+        sampling = {name: getattr(GenerationConfig(), name) for name in SAMPLING_FIELDS} | changed
+        return markdown({}, {"sampling": json.loads(json.dumps(sampling))}, [], [])
+
+    assert "categories; greedy, " in header() and "categories; greedy, " in markdown({}, {}, [], [])
+    assert "; greedy, repetition_penalty 1.2, " in header(repetition_penalty=1.2)
+    assert "; sampling at temperature 0.7, seed 3, top_p 0.9, " in header(temperature=0.7, seed=3, top_p=0.9)

@@ -181,7 +181,7 @@ def engine_method(drafter: DrafterSpec | None = None, runner: str | None = None)
             )
 
         def new_drafter() -> Drafter:
-            return drafter.build(setup.datastore, setup.draft)
+            return drafter.build(setup.datastore, setup.draft, chosen)
 
         engine = Engine(
             loaded,

@@ -17,6 +17,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
+from reader_spec.config import GenerationConfig
 from reader_spec.engine.sequence import DraftCounts, mean_accepted
 
 OVERALL = "overall"
@@ -200,11 +201,28 @@ def markdown(
     return "\n".join(lines)
 
 
+def _token_choice(settings: dict) -> str:
+    """How tokens were chosen: greedy, or sampling at its temperature, with every setting changed from
+    its default (runs recorded before settings held ``sampling`` were greedy)."""
+    chosen = settings.get("sampling") or {}
+    defaults = GenerationConfig()
+    changed = [
+        f"{name} {value}"
+        for name, value in chosen.items()
+        if name not in ("temperature", "seed")
+        and value != getattr(defaults, name, value)
+        and (value or getattr(defaults, name))  # an empty logit_bias read back from JSON is a list
+    ]
+    temperature, seed = chosen.get("temperature", 0), chosen.get("seed")
+    base = "greedy" if temperature == 0 else f"sampling at temperature {temperature}, seed {seed}"
+    return ", ".join([base, *changed])
+
+
 def _header(environment: dict, settings: dict, prompts: Sequence[PromptResult]) -> str:
     questions = settings.get("questions", [])
     return (
         f"{len(questions)} questions ({settings.get('prompts', len(questions))} prompts, second turns "
-        f"included) in {len(settings.get('categories', []))} categories; greedy, "
+        f"included) in {len(settings.get('categories', []))} categories; {_token_choice(settings)}, "
         f"{settings.get('max_new_tokens')} new tokens, {settings.get('repeats')} repeat(s). "
         f"{_processor(environment)}, {environment.get('threads', '?')} threads"
         f"{_accelerator(environment)}; "

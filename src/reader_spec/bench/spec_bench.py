@@ -33,7 +33,10 @@ def load_questions(path: str | Path | None = None) -> list[Question]:
     questions = []
     for number, raw in json_lines(path, PromptError):
         try:
-            questions.append(Question(int(raw["question_id"]), str(raw["category"]), tuple(raw["turns"])))
+            turns = raw["turns"]
+            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+                raise TypeError("'turns' must be a non-empty list of strings")
+            questions.append(Question(int(raw["question_id"]), str(raw["category"]), tuple(turns)))
         except (ValueError, KeyError, TypeError) as e:
             raise PromptError(f"{path}:{number}: not a Spec-Bench question ({e})") from None
     return questions

@@ -13,16 +13,17 @@ from typing import get_args
 
 from reader_spec.budget.costs import CostModel, load_costs
 from reader_spec.cli.common import (
+    add_budget_option,
     add_model_option,
     add_prefix_reuse_option,
     add_sampling_options,
     load_target,
     names,
+    open_datastore,
     sampling_settings,
 )
 from reader_spec.config import GenerationConfig
 from reader_spec.drafters.model import load_draft_model
-from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.engine.loop import DEFAULT_BUDGET
 from reader_spec.prompts import IdFilter, by_id_parity
 
@@ -70,9 +71,7 @@ def add_parser(commands) -> None:
         "--batch-sizes", nargs="+", type=int, default=[1], help="1: per-prompt figures; above 1: throughput"
     )
     bench.add_argument("--repeats", type=int, default=1, help="runs per prompt; the median-time run counts")
-    bench.add_argument(
-        "--budget", type=int, default=DEFAULT_BUDGET, help="draft budget of engine methods without their own"
-    )
+    add_budget_option(bench, help=f"draft budget of engine methods without their own ({DEFAULT_BUDGET})")
     bench.add_argument("--out", help="directory for results.json, results.md and PNG plots")
     bench.add_argument(
         "--datastore", metavar="DIR", help="corpus datastore for the reader method (live or replayed)"
@@ -114,8 +113,8 @@ def run(args: argparse.Namespace) -> int:
     questions = by_id_parity(load_questions(args.suite), args.question_ids)
     questions = per_category(questions, args.limit, categories)
     loaded = load_target(args)
+    datastore = open_datastore(args, loaded)
     draft = load_draft_model(args.draft_model, loaded) if args.draft_model else None
-    datastore = Datastore.open(args.datastore, fingerprint=loaded.fingerprint) if args.datastore else None
     # Every method must draw the same randomness for outputs to compare: a seed is always set.
     sampling = GenerationConfig(**{**sampling_settings(args), "seed": args.seed or 0})
     report = run_bench(
@@ -156,18 +155,18 @@ def _bench_replay(args: argparse.Namespace) -> int:
     if args.budget < 1 or (args.limit is not None and args.limit < 1):
         raise ValueError("--budget and --limit must be positive")
     loaded = load_tokenizer(args.model)
+    datastore = open_datastore(args, loaded)
+    costs = replay_costs(Path(args.costs), args.budget) if args.costs is not None else None
     conversations = load_conversations(
         args.replay, loaded.tokenizer, loaded.fingerprint, cache_root() / "replay"
     )[: args.limit]
-    datastore = Datastore.open(args.datastore, fingerprint=loaded.fingerprint) if args.datastore else None
-    drafters = {m: DRAFTERS[m].build(datastore, None) for m in dict.fromkeys(methods)}
+    drafters = {m: DRAFTERS[m].build(datastore, None, "auto") for m in dict.fromkeys(methods)}
     settings = {
         "file": str(args.replay),
         "model": loaded.name,
         "costs": args.costs,
         "datastore": args.datastore,
     }
-    costs = replay_costs(Path(args.costs), args.budget) if args.costs is not None else None
     priced = [m for m in drafters if DRAFTERS[m].adaptive]
     report = run_replay(conversations, drafters, args.budget, settings=settings, costs=costs, priced=priced)
     print(report.markdown())

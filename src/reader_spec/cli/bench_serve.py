@@ -11,8 +11,13 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from reader_spec.cli.common import add_model_option, add_prefix_reuse_option, load_target
-from reader_spec.engine.loop import DEFAULT_BUDGET
+from reader_spec.cli.common import (
+    add_budget_option,
+    add_model_option,
+    add_prefix_reuse_option,
+    load_target,
+    open_datastore,
+)
 
 NEEDED = ("fastapi", "uvicorn", "prometheus_client", "httpx")
 
@@ -48,12 +53,7 @@ def add_parser(commands) -> None:
         "turn, each after the answer to the last, with the conversation so far (default first)",
     )
     bench.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (128)")
-    bench.add_argument(
-        "--budget",
-        type=int,
-        default=DEFAULT_BUDGET,
-        help=f"most draft tokens per sequence and step ({DEFAULT_BUDGET})",
-    )
+    add_budget_option(bench)
     bench.add_argument("--datastore", metavar="DIR", help="corpus datastore for the READER drafter")
     bench.add_argument("--out", help="directory for serve.json and serve.md")
     bench.set_defaults(handler=run)
@@ -69,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
     from reader_spec.bench.runner import environment
     from reader_spec.bench.serve_load import run_serve_load
     from reader_spec.bench.spec_bench import interleave_categories, load_questions, per_category
-    from reader_spec.drafters.retrieval.datastore import Datastore
 
     questions = interleave_categories(per_category(load_questions(), args.limit))
     conversations = [list(q.turns) if args.turns == "all" else [q.turns[0]] for q in questions]
@@ -79,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
             len(conversations),
         )
     loaded = load_target(args)
-    datastore = Datastore.open(args.datastore, fingerprint=loaded.fingerprint) if args.datastore else None
+    datastore = open_datastore(args, loaded)
     report = run_serve_load(
         loaded,
         conversations,

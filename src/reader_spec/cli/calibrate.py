@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from reader_spec.budget.costs import LONG_CONTEXT, PROBE_CONTEXT, probed_batches
-from reader_spec.cli.common import add_model_option, load_target
+from reader_spec.cli.common import add_budget_option, add_model_option, load_target
 from reader_spec.drafters import ReaderDrafter
 from reader_spec.engine.loop import DEFAULT_BUDGET, Engine
 
@@ -29,11 +29,8 @@ def add_parser(commands) -> None:
     calibrate.add_argument(
         "--batch-size", type=int, default=1, help="largest batch size to measure for (default 1)"
     )
-    calibrate.add_argument(
-        "--budget",
-        type=int,
-        default=DEFAULT_BUDGET,
-        help=f"most draft tokens per sequence and step the curves must reach ({DEFAULT_BUDGET})",
+    add_budget_option(
+        calibrate, help=f"most draft tokens per sequence and step the curves must reach ({DEFAULT_BUDGET})"
     )
     calibrate.add_argument(
         "--again",

@@ -11,6 +11,7 @@ from reader_spec.config import SAMPLING_FIELDS
 from reader_spec.drafters import Drafter, ReaderDrafter
 from reader_spec.drafters.fusion import RASD_MIN_PROB, RASD_TOP_K, FusedDrafter
 from reader_spec.drafters.model import SELF, ModelDrafter, load_draft_model
+from reader_spec.drafters.registry import rasd_model_drafter
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.drafters.retrieval.history import DEFAULT_MAX_TOKENS
 from reader_spec.engine.loop import DEFAULT_BUDGET, Engine
@@ -138,13 +139,27 @@ def names(value: str) -> list[str]:
     return [name for name in value.split(",") if name]
 
 
+def draft_budget(text: str) -> int:
+    """``--budget``'s type: checked as the command line is read, before any model loads."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (no drafts) or more, not {value}")
+    return value
+
+
+def add_budget_option(
+    parser: argparse.ArgumentParser, help: str = f"most draft tokens per sequence and step ({DEFAULT_BUDGET})"
+) -> None:
+    parser.add_argument("--budget", type=draft_budget, default=DEFAULT_BUDGET, help=help)
+
+
+def open_datastore(args: argparse.Namespace, loaded: LoadedModel) -> Datastore | None:
+    """``--datastore``, checked against the target's tokenizer (opened before any draft model loads)."""
+    return Datastore.open(args.datastore, fingerprint=loaded.fingerprint) if args.datastore else None
+
+
 def add_drafting_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--budget",
-        type=int,
-        default=DEFAULT_BUDGET,
-        help=f"most draft tokens per sequence and step ({DEFAULT_BUDGET})",
-    )
+    add_budget_option(parser)
     parser.add_argument(
         "--fixed-budget",
         action="store_true",
@@ -202,13 +217,14 @@ def build_drafter(args: argparse.Namespace, loaded: LoadedModel) -> Drafter | No
         return None
     if args.rasd_top_k < 1 or not 0.0 <= args.rasd_min_prob <= 1.0:
         raise ValueError("--rasd-top-k must be at least 1 and --rasd-min-prob in [0, 1]")
+    datastore = open_datastore(args, loaded)
     draft_spec = args.draft_model or (SELF if args.drafter in ("model", "rasd") else None)
     model = None
     if draft_spec is not None:
-        model = ModelDrafter(load_draft_model(draft_spec, loaded), runner=args.runner)
+        build = rasd_model_drafter if args.drafter == "rasd" else ModelDrafter
+        model = build(load_draft_model(draft_spec, loaded), runner=args.runner)
     if args.drafter == "model":
         return model
-    datastore = Datastore.open(args.datastore, fingerprint=loaded.fingerprint) if args.datastore else None
     retrieval = ReaderDrafter(
         history_tokens=0 if args.no_history else DEFAULT_MAX_TOKENS, datastore=datastore
     )

@@ -28,8 +28,9 @@ narrower, for this engine's costs)."""
 class DrafterSpec:
     """How a named drafter is built, and how the engine sizes its trees."""
 
-    build: Callable[[Datastore | None, LoadedModel | None], Drafter]
-    """Builds a fresh drafter (with nothing learned) from the run's datastore and draft model."""
+    build: Callable[[Datastore | None, LoadedModel | None, str], Drafter]
+    """Builds a fresh drafter (with nothing learned) from the run's datastore, draft model and the
+    forward its draft model runs (``auto``, ``fast`` or ``transformers``, as the target's)."""
     adaptive: bool = True
     """Tree size chosen each step from measured costs; False: the proposal is verified whole, as the
     peers' authors run them."""
@@ -42,23 +43,30 @@ def _retrieval(datastore: Datastore | None) -> ReaderDrafter:
     return ReaderDrafter(datastore=datastore)
 
 
+def rasd_model_drafter(draft: LoadedModel, runner: str = "auto") -> ModelDrafter:
+    """The draft model as RASD runs it (see :data:`RASD_WIDTH`)."""
+    return ModelDrafter(draft, branching=RASD_WIDTH, expand=RASD_WIDTH, max_depth=RASD_DEPTH, runner=runner)
+
+
 DRAFTERS: dict[str, DrafterSpec] = {
     "pld": DrafterSpec(
-        lambda datastore, draft: PromptLookupDrafter(), adaptive=False, budget=DEFAULT_NUM_TOKENS
+        lambda datastore, draft, runner: PromptLookupDrafter(), adaptive=False, budget=DEFAULT_NUM_TOKENS
     ),
-    "suffix": DrafterSpec(lambda datastore, draft: SuffixDecodingDrafter(), adaptive=False),
-    "reader-context": DrafterSpec(lambda datastore, draft: ReaderDrafter(history_tokens=0)),
-    "reader": DrafterSpec(lambda datastore, draft: _retrieval(datastore)),
-    "model": DrafterSpec(lambda datastore, draft: ModelDrafter(draft), needs_draft_model=True),
+    "suffix": DrafterSpec(lambda datastore, draft, runner: SuffixDecodingDrafter(), adaptive=False),
+    "reader-context": DrafterSpec(lambda datastore, draft, runner: ReaderDrafter(history_tokens=0)),
+    "reader": DrafterSpec(lambda datastore, draft, runner: _retrieval(datastore)),
+    "model": DrafterSpec(
+        lambda datastore, draft, runner: ModelDrafter(draft, runner=runner), needs_draft_model=True
+    ),
     "reader-model": DrafterSpec(
-        lambda datastore, draft: FusedDrafter(_retrieval(datastore), ModelDrafter(draft), "reader"),
+        lambda datastore, draft, runner: FusedDrafter(
+            _retrieval(datastore), ModelDrafter(draft, runner=runner), "reader"
+        ),
         needs_draft_model=True,
     ),
     "rasd": DrafterSpec(
-        lambda datastore, draft: FusedDrafter(
-            _retrieval(datastore),
-            ModelDrafter(draft, branching=RASD_WIDTH, expand=RASD_WIDTH, max_depth=RASD_DEPTH),
-            "rasd",
+        lambda datastore, draft, runner: FusedDrafter(
+            _retrieval(datastore), rasd_model_drafter(draft, runner), "rasd"
         ),
         needs_draft_model=True,
     ),
