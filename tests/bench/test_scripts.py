@@ -28,7 +28,7 @@ def test_weights_agreement_script_compares_a_packed_copy_with_float32(monkeypatc
     runpy.run_path(str(SCRIPTS / "weights_agreement.py"), run_name="__main__")
     out = capsys.readouterr().out
     identical = out.split("identical outputs: ")[1].split("/")
-    assert identical[1].startswith("6 ") and 0 <= int(identical[0]) <= 6
+    assert identical[1].startswith("6 ") and int(identical[0]) >= 4  # the file's own weights: near-ties
     agreement = float(out.split("choice on float32's output: ")[1].split("%")[0])
     assert 80 <= agreement <= 100  # int8 per channel, and int4 where it is exact, stay close to float32
 

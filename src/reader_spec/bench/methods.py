@@ -101,8 +101,8 @@ class Method(Protocol):
     def steps(
         self, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int, on_finish: OnFinish
     ) -> Steps:
-        """Greedy outputs in prompt order, a piece at a time; ``on_finish`` is called once per
-        finished request."""
+        """Outputs in prompt order (tokens chosen as the bench's sampling settings say), a piece at a
+        time; ``on_finish`` is called once per finished request."""
 
 
 def generate(
@@ -115,7 +115,7 @@ def generate(
 @dataclass(frozen=True)
 class MethodSpec:
     build: Callable[[BenchSetup], Method]
-    needs_draft: bool = False
+    needs_draft_model: bool = False
     """Needs ``--draft-model``: left out of the default methods when none is given."""
 
 
@@ -193,7 +193,7 @@ def engine_method(drafter: DrafterSpec | None = None, runner: str | None = None)
         )
         return EngineMethod(engine, setup.sampling, new_drafter)
 
-    return MethodSpec(build, needs_draft=drafter is not None and drafter.needs_draft_model)
+    return MethodSpec(build, needs_draft_model=drafter is not None and drafter.needs_draft_model)
 
 
 class HFMethod:
@@ -278,7 +278,7 @@ def hf_method(*, assisted: bool = False, **options) -> MethodSpec:
             raise ValueError("transformers methods are measured with greedy decoding only, without penalties")
         return HFMethod(setup.loaded, setup.draft if assisted else None, **options)
 
-    return MethodSpec(build, needs_draft=assisted)
+    return MethodSpec(build, needs_draft_model=assisted)
 
 
 METHODS: dict[str, MethodSpec] = {
@@ -298,12 +298,12 @@ def method_names(methods: Sequence[str] | None, with_draft: bool) -> list[str]:
     names = (
         list(methods)
         if methods is not None
-        else [name for name, spec in METHODS.items() if with_draft or not spec.needs_draft]
+        else [name for name, spec in METHODS.items() if with_draft or not spec.needs_draft_model]
     )
     unknown = [m for m in names if m not in METHODS]
     if unknown:
         raise ValueError(f"unknown methods {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    missing = [m for m in names if METHODS[m].needs_draft and not with_draft]
+    missing = [m for m in names if METHODS[m].needs_draft_model and not with_draft]
     if missing:
         raise ValueError(f"{', '.join(missing)} needs a draft model (--draft-model)")
     return list(dict.fromkeys([REFERENCE, *names]))

@@ -28,7 +28,7 @@ from reader_spec.engine.loop import DEFAULT_BUDGET
 from reader_spec.prompts import IdFilter, by_id_parity
 
 
-def add_parser(commands) -> None:
+def add_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser(
         "bench",
         help="measure methods side by side on Spec-Bench",

@@ -24,7 +24,7 @@ NEEDED = ("fastapi", "uvicorn", "prometheus_client", "httpx")
 log = logging.getLogger("reader_spec.bench")
 
 
-def add_parser(commands) -> None:
+def add_parser(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser(
         "bench-serve",
         help="load the OpenAI server with concurrent streaming requests, speculation on and off",

@@ -19,7 +19,7 @@ FLOOR_WIDTHS = 32
 """Batch 1's pass widths printed against the floor: 1 to this many tokens."""
 
 
-def add_parser(commands) -> None:
+def add_parser(commands: argparse._SubParsersAction) -> None:
     calibrate = commands.add_parser(
         "calibrate",
         help="measure verification costs on this machine and print them",

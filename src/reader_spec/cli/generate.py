@@ -28,7 +28,7 @@ from reader_spec.engine.sequence import Output, mean_accepted
 from reader_spec.prompts import InputRecord, PromptError, read_jsonl
 
 
-def add_parser(commands) -> None:
+def add_parser(commands: argparse._SubParsersAction) -> None:
     description = "Generate with retrieval-drafted speculative decoding; the output equals plain decoding's."
     gen = commands.add_parser(
         "generate", help="generate text with speculative decoding", description=description

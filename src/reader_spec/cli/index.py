@@ -15,7 +15,7 @@ from reader_spec.loading import load_model
 from reader_spec.prompts import IdFilter, PromptError
 
 
-def add_parser(commands) -> None:
+def add_parser(commands: argparse._SubParsersAction) -> None:
     index = commands.add_parser(
         "index",
         help="build and inspect datastores (READER's long-term retrieval index)",
