@@ -7,6 +7,13 @@ from reader_spec.prompts import PromptError, encode_prompt, read_jsonl
 
 from .conftest import make_tiny_tokenizer
 
+ALTERNATING_TEMPLATE = (
+    "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+    "{{ raise_exception('roles must alternate') }}{% endif %}<{{ m['role'] }}> {{ m['content'] }} "
+    "{% endfor %}<assistant>"
+)
+"""A chat template that, as many real ones do, refuses two messages of one role in a row."""
+
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -37,6 +44,15 @@ def test_chat_needs_a_template(tokenizer):
     plain.chat_template = None
     with pytest.raises(PromptError, match="chat template"):
         encode_prompt(plain, [{"role": "user", "content": "w5"}])
+
+
+def test_a_template_that_refuses_the_messages_is_a_prompt_error():
+    strict = make_tiny_tokenizer()
+    strict.chat_template = ALTERNATING_TEMPLATE
+    messages = [{"role": "user", "content": "w5"}, {"role": "user", "content": "w6"}]
+    with pytest.raises(PromptError, match="chat template refused the messages: roles must alternate"):
+        encode_prompt(strict, messages)
+    assert encode_prompt(strict, messages[:1]) == encode_prompt(make_tiny_tokenizer(), messages[:1])
 
 
 @pytest.mark.parametrize("name", ["p.jsonl", "p.jsonl.gz"])

@@ -46,7 +46,12 @@ def _apply_chat_template(tokenizer, messages: Sequence[Message]) -> list[int]:
             raise PromptError(f"message {i} needs string 'role' and 'content' fields")
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("this model's tokenizer has no chat template; pass plain text instead")
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    from jinja2 import TemplateError  # what transformers renders templates with; only needed here
+
+    try:
+        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    except TemplateError as e:  # a template's raise_exception: "roles must alternate" and the like
+        raise PromptError(f"the chat template refused the messages: {e}") from None
     if isinstance(ids, Mapping):
         ids = ids["input_ids"]
     return list(ids)

@@ -124,7 +124,7 @@ def live_server(
         app, host="127.0.0.1", port=0, log_level="warning", log_config=None, timeout_graceful_shutdown=5
     )
     server = uvicorn.Server(config)
-    errors = _ErrorRecords()
+    errors = ErrorRecords()
     logging.getLogger().addHandler(errors)
     thread = threading.Thread(target=server.run, name="test-uvicorn", daemon=True)
     thread.start()
@@ -146,7 +146,7 @@ def live_server(
     assert not errors.records, f"the server logged errors: {[r.getMessage() for r in errors.records]}"
 
 
-class _ErrorRecords(logging.Handler):
+class ErrorRecords(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.ERROR)
         self.records: list[logging.LogRecord] = []

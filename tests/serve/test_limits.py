@@ -1,19 +1,26 @@
-"""The server's guards and bookkeeping: API key, body size, queue overflow, metrics, and clients that go
-away (their cache row is freed, not decoded to the end)."""
+"""The server's guards and bookkeeping: API key, body size, queue overflow, metrics, clients that go
+away (their cache row is freed, not decoded to the end), an engine that fails, and shutdown."""
 
 from __future__ import annotations
 
+import hmac
 import json
+import logging
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serve.conftest import MODEL, ThrottledEngine, live_server, make_engine, wait_for
+from reader_spec.cli import build_parser
+from reader_spec.cli import serve as serve_command
+from reader_spec.serve.app import ServerSettings
+from tests.serve.conftest import MODEL, ErrorRecords, ThrottledEngine, live_server, make_engine, wait_for
 
 API_KEY = "secret"
 BODY_LIMIT = 2048
@@ -73,6 +80,15 @@ def test_health_needs_no_key_but_the_api_does(guarded):
     with guarded.client() as client:
         reply = client.completions.create(model=MODEL, prompt="w5 w6", max_tokens=3, temperature=0)
     assert reply.usage.completion_tokens == 3
+
+
+def test_the_api_key_is_compared_in_constant_time(guarded, monkeypatch):
+    compared = []
+    compare = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: compared.append((a, b)) or compare(a, b))
+    wrong = {"Authorization": "Bearer not-the-key"}
+    assert_error(httpx.get(f"{guarded.url}/v1/models", headers=wrong), 401, "authentication_error")
+    assert compared == [(b"Bearer not-the-key", f"Bearer {API_KEY}".encode())]
 
 
 def test_body_over_the_limit_gets_413(guarded):
@@ -146,6 +162,13 @@ def test_metrics_count_requests_tokens_and_accepted_drafts(server):
     assert metric(server, "reader_draft_tokens_accepted_total") > 0  # the output loops: drafts hit
 
 
+def test_metrics_help_says_what_each_counts(server):
+    response = httpx.get(f"{server.url}/metrics")
+    helps = {family.name: family.documentation for family in text_string_to_metric_families(response.text)}
+    assert helps["reader_draft_tokens_proposed"] == "Draft tokens proposed"
+    assert helps["reader_draft_tokens_accepted"] == "Draft tokens accepted, by source"
+
+
 def open_raw_request(port: int, path: str, body: dict) -> socket.socket:
     data = json.dumps(body).encode()
     head = (
@@ -203,3 +226,48 @@ def test_dropped_stream_frees_its_rows(slow, path, choices):
         assert client.get("/health").status_code == 200
     assert slow.wait_until_idle()
     assert metric(slow, "reader_generated_tokens_total") == generated
+
+
+def test_a_failing_engine_fails_its_requests_and_a_dead_one_fails_health(tiny, monkeypatch):
+    errors = ErrorRecords()  # expected here: kept from the root logger, where every live server checks
+    service_log = logging.getLogger("reader_spec.serve.service")
+    monkeypatch.setattr(service_log, "propagate", False)
+    monkeypatch.setattr(service_log, "handlers", [errors])
+    engine = make_engine(tiny, max_batch_size=2)
+    with live_server(engine) as live:
+        url = f"{live.url}/v1/completions"
+        body = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 5, "temperature": 0}
+
+        def broken(*args):
+            raise RuntimeError("broken")
+
+        record_step, live.service.on_step = live.service.on_step, broken  # after the step: metrics fail
+        assert_error(httpx.post(url, json=body, timeout=10), 500, "server_error")
+        assert live.wait_until_idle()
+        live.service.on_step = record_step
+        assert httpx.post(url, json=body, timeout=10).status_code == 200  # the engine thread lived on
+        assert httpx.get(f"{live.url}/health").status_code == 200
+
+        monkeypatch.setattr(engine, "step", broken)
+        monkeypatch.setattr(engine, "cancel", broken)  # failing the requests fails too: the thread ends
+        assert_error(httpx.post(url, json=body, timeout=10), 500, "server_error")
+        assert wait_for(lambda: not live.service.alive)
+        assert_error(httpx.get(f"{live.url}/health"), 503, "server_error")
+        assert_error(httpx.post(url, json=body, timeout=10), 503, "server_error")
+    assert [record.getMessage() for record in errors.records] == [
+        "the engine failed; failing the requests in flight",
+        "the engine failed; failing the requests in flight",
+        "the engine thread stopped",
+    ]
+
+
+def test_uvicorn_gives_running_requests_the_servers_grace_on_shutdown(monkeypatch):
+    engine = SimpleNamespace(
+        warm_up=lambda batch: None, scheduler=SimpleNamespace(num_rows=2), tokenizer=None
+    )
+    monkeypatch.setattr(serve_command, "load_target", lambda args: None)
+    monkeypatch.setattr(serve_command, "build_engine", lambda args, loaded, max_batch_size: engine)
+    options = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: options.update(kwargs))
+    assert serve_command.run(build_parser().parse_args(["serve"])) == 0
+    assert options["timeout_graceful_shutdown"] == ServerSettings(MODEL).shutdown_grace_seconds

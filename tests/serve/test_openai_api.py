@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import openai
 import pytest
 import torch
 
@@ -111,6 +112,45 @@ def test_completion_equals_engine_output_and_counts_usage(client, reference, tin
     assert response.usage.prompt_tokens == len(tiny.tokenizer(TEXT)["input_ids"])
     assert response.usage.completion_tokens == len(expected.tokens) == 12
     assert response.usage.total_tokens == response.usage.prompt_tokens + 12
+
+
+def test_chat_content_may_be_a_list_of_text_parts(client, reference):
+    parts = [{"type": "text", "text": "w5 "}, {"type": "text", "text": "w6 w7"}]
+    messages = [CHAT[0], {"role": "user", "content": parts}]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert response.choices[0].message.content == reference.generate([CHAT], generation_config(8))[0].text
+
+
+@pytest.mark.parametrize(
+    ("part", "message"),
+    [
+        ({"type": "image_url", "image_url": {"url": "https://x/y.png"}}, "only text content parts"),
+        ("w5", "only text content parts"),
+        ({"type": "text"}, "needs a 'text' string"),
+    ],
+)
+def test_chat_content_parts_other_than_text_are_refused(client, part, message):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": [part]}], max_tokens=2
+        )
+    assert refused.value.body["param"] == "messages"
+    assert message in refused.value.body["message"]
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_400(server, client, monkeypatch):
+    alternating = (
+        "{% for m in messages %}{% if loop.index0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+        "{{ raise_exception('roles must alternate') }}{% endif %}<{{ m['role'] }}> {{ m['content'] }} "
+        "{% endfor %}<assistant>"
+    )
+    monkeypatch.setattr(server.engine.tokenizer, "chat_template", alternating)
+    twice = [{"role": "user", "content": "w5"}, {"role": "user", "content": "w6"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=twice, max_tokens=2)
+    assert refused.value.body["type"] == "invalid_request_error"
+    assert refused.value.body["param"] == "messages"
+    assert "roles must alternate" in refused.value.body["message"]
 
 
 def test_a_chats_next_turn_prefills_only_its_new_message_and_says_so(client, reference, tiny):

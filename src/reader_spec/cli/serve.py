@@ -20,7 +20,7 @@ DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 log = logging.getLogger("reader_spec.serve")
 
 
-def add_parser(commands) -> None:
+def add_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
         "serve",
         help="serve the OpenAI API (completions, chat completions) with speculative decoding",
@@ -83,5 +83,13 @@ def run(args: argparse.Namespace) -> int:
         args.port,
         args.max_batch_size,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=15)
+    # On shutdown uvicorn first waits this long for open requests, then cancels them (which frees their
+    # engine rows), and only then runs the app's own stop: uvicorn's wait is the grace running requests get.
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=settings.shutdown_grace_seconds,
+    )
     return 0

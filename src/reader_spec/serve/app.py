@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -50,6 +51,7 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     shutdown_grace_seconds: float = 10.0
+    """How long running requests may go on once shutdown begins; then they are cancelled."""
 
 
 def create_app(service: EngineService, settings: ServerSettings) -> FastAPI:
@@ -96,6 +98,8 @@ def create_app(service: EngineService, settings: ServerSettings) -> FastAPI:
     # --- endpoints ---------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
+        if not service.alive:  # requests would be refused: a load balancer should stop sending them
+            return _error(OpenAIError(503, "the engine thread has stopped; restart the server"))
         return {
             "status": "ok",
             "running": len(service.engine.scheduler.running),
@@ -157,7 +161,7 @@ def create_app(service: EngineService, settings: ServerSettings) -> FastAPI:
         reply = _Reply(prefix, kind, settings.model_name, choices, body.n)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return _sse(reply.stream_chat(include_usage) if chat else reply.stream_completion(include_usage))
+            return _sse(reply.stream(chat, include_usage))
         return await reply.whole(request, chat=chat)
 
     return app
@@ -223,7 +227,7 @@ def _submit(service: EngineService, jobs: list[tuple[list[int], GenerationConfig
             raise OpenAIError(
                 429, "the server is at capacity; retry shortly", kind="rate_limit_error"
             ) from None
-        raise OpenAIError(503, "the server is shutting down") from None
+        raise OpenAIError(503, str(error)) from None
     return streams
 
 
@@ -270,7 +274,8 @@ class _Guard:
         if (
             key is not None
             and path != "/health"
-            and headers.get(b"authorization") != f"Bearer {key}".encode()
+            # in constant time: how long a wrong key takes to refuse must not tell how much of it was right
+            and not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {key}".encode())
         ):
             error = OpenAIError(401, "missing or wrong API key", kind="authentication_error")
             return await _error(error)(scope, receive, counting_send)
@@ -436,30 +441,21 @@ class _Reply:
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}  # fmt: skip
 
-    async def stream_completion(self, include_usage: bool) -> AsyncIterator[dict]:
+    async def stream(self, chat: bool, include_usage: bool) -> AsyncIterator[dict]:
+        """The response's chunks: (chat) each choice's role, then every change to a choice's text,
+        log-probabilities or finish reason, and the usage last where asked for."""
+        if chat:
+            for choice in self.choices:
+                role = {"role": "assistant", "content": ""}
+                yield self.chunk({"index": choice.index, "delta": role, "finish_reason": None})
         async for choice, update in self._updates():
-            text = choice.completion_delta(update)
+            text = choice.delta(update) if chat else choice.completion_delta(update)
             reason = finish_reason(update.output.finish_reason) if update.output is not None else None
-            logprobs = choice.logprobs_field(update.new_logprobs, False, update.prompt_logprobs)
+            logprobs = choice.logprobs_field(update.new_logprobs, chat, update.prompt_logprobs)
             if text or reason or logprobs:
+                content = {"delta": {"content": text} if text else {}} if chat else {"text": text}
                 yield self.chunk(
-                    {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": reason}
-                )
-        if include_usage:
-            yield {**self.chunk({}), "choices": [], "usage": self.usage()}
-
-    async def stream_chat(self, include_usage: bool) -> AsyncIterator[dict]:
-        for choice in self.choices:
-            role = {"role": "assistant", "content": ""}
-            yield self.chunk({"index": choice.index, "delta": role, "finish_reason": None})
-        async for choice, update in self._updates():
-            text = choice.delta(update)
-            reason = finish_reason(update.output.finish_reason) if update.output is not None else None
-            logprobs = choice.logprobs_field(update.new_logprobs, chat=True)
-            if text or reason or logprobs:
-                delta = {"content": text} if text else {}
-                yield self.chunk(
-                    {"index": choice.index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+                    {"index": choice.index, **content, "logprobs": logprobs, "finish_reason": reason}
                 )
         if include_usage:
             yield {**self.chunk({}), "choices": [], "usage": self.usage()}

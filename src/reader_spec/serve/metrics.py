@@ -44,7 +44,7 @@ class Metrics:
         self.steps = Counter(
             "reader_sequence_steps", "Verification steps summed over sequences", registry=registry
         )
-        self.drafted = Counter("reader_draft_tokens_proposed", "Draft tokens verified", registry=registry)
+        self.drafted = Counter("reader_draft_tokens_proposed", "Draft tokens proposed", registry=registry)
         self.accepted = Counter(
             "reader_draft_tokens_accepted", "Draft tokens accepted, by source", ["source"], registry=registry
         )

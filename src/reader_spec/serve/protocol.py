@@ -26,7 +26,8 @@ from pydantic import (
 from reader_spec.config import GenerationConfig
 
 DEFAULT_COMPLETION_TOKENS = 16
-"""OpenAI's default ``max_tokens`` for completions; chat completions run to the context instead."""
+"""OpenAI's default ``max_tokens`` for completions; chat completions run to the end of the context
+instead, and stop here too where the model's context length is unknown."""
 MAX_CHOICES = 128
 """The most choices (``n``) one request may ask for, as OpenAI allows."""
 MAX_TOP_LOGPROBS = 20
@@ -175,6 +176,22 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, content):
+        """OpenAI clients may send a list of content parts: their texts, joined as OpenAI joins them."""
+        if not isinstance(content, list):
+            return content
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"only text content parts are supported, got {kind!r}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError("a text content part needs a 'text' string")
+            texts.append(part["text"])
+        return "".join(texts)
 
 
 class ChatCompletionRequest(_Request):

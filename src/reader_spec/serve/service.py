@@ -29,7 +29,7 @@ class QueueFull(Exception):
 
 
 class ShuttingDown(Exception):
-    """The server is stopping and takes no new requests."""
+    """The server is stopping, or its engine thread has stopped, and takes no new requests."""
 
 
 @dataclass
@@ -55,24 +55,20 @@ class EngineService:
     """Runs an :class:`Engine` in a background thread for many concurrent callers.
 
     ``max_queue`` requests may wait beyond the engine's running batch; more are refused with
-    :class:`QueueFull`. ``on_step`` is called in the engine thread after each step (metrics).
+    :class:`QueueFull`.
     """
 
-    def __init__(
-        self,
-        engine: Engine,
-        *,
-        max_queue: int = 256,
-        on_step: Callable[[StepRecord], None] | None = None,
-    ) -> None:
+    def __init__(self, engine: Engine, *, max_queue: int = 256) -> None:
         self.engine = engine
         self.max_queue = max_queue
-        self.on_step = on_step
+        self.on_step: Callable[[StepRecord], None] | None = None
+        """Called in the engine thread after each step; the app sets it to record its metrics."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[int, tuple[Stream, asyncio.AbstractEventLoop]] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._accepting = True
+        self._closed: str | None = None
+        """Why no new request is taken (shutting down, or the engine thread stopped); None while open."""
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="reader-engine", daemon=True)
 
@@ -81,6 +77,11 @@ class EngineService:
         """Measure the costs any batch up to the engine's size needs (once per machine), then serve."""
         self.engine.calibrate(self.engine.scheduler.num_rows)
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs; it stops on shutdown, or when even failing requests failed."""
+        return self._thread.is_alive()
 
     @property
     def in_flight(self) -> int:
@@ -93,10 +94,10 @@ class EngineService:
 
     def submit(self, tokens: list[int], config: GenerationConfig) -> Stream:
         """Queue already-encoded prompt tokens; updates arrive on the returned stream's queue."""
-        if not self._accepting:
-            raise ShuttingDown
         loop = asyncio.get_running_loop()
-        with self._lock:
+        with self._lock:  # the engine thread closes under the lock, so that no request slips in after
+            if self._closed is not None:
+                raise ShuttingDown(self._closed)
             if len(self._streams) >= self.capacity:
                 raise QueueFull
             stream = Stream(next(self._ids), len(tokens))
@@ -113,46 +114,48 @@ class EngineService:
 
     def stop(self, grace_seconds: float = 10.0) -> None:
         """Refuse new requests, let running ones finish for up to ``grace_seconds``, cancel the rest."""
-        self._accepting = False
+        reason = "the server is shutting down"
+        self._closed = reason
         deadline = time.monotonic() + grace_seconds
-        while self.in_flight and time.monotonic() < deadline and self._thread.is_alive():
+        while self.in_flight and time.monotonic() < deadline and self.alive:
             time.sleep(0.05)
-        with self._lock:
-            left = list(self._streams.values())
-            self._streams.clear()
-        for stream, loop in left:
-            _deliver(loop, stream, ShuttingDown("the server is shutting down"))
+        self._close(reason)
         self._stopping.set()
         self._inbox.put(("wake",))
         self._thread.join(timeout=grace_seconds)
 
     # --- engine thread -----------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                try:
+                    self._turn()
+                except Exception as error:  # a bug must not leave callers waiting forever
+                    log.exception("the engine failed; failing the requests in flight")
+                    self._fail_all(error)
+            self._cancel_in_engine()
+        except Exception:  # failing them failed too: the thread ends, /health says so, no request waits
+            log.exception("the engine thread stopped")
+            self._close("the engine stopped after an error; restart the server")
+
+    def _turn(self) -> None:
+        """Take the commands queued (waiting for one when idle), then step once if anything runs."""
         engine = self.engine
-        while not self._stopping.is_set():
-            idle = not len(engine.scheduler)
-            self._drain(block=idle)
-            if not len(engine.scheduler):
-                continue
-            started = time.perf_counter()
-            try:
-                updates = engine.step()
-            except Exception as error:  # a bug must not leave callers waiting forever
-                log.exception("engine step failed; failing the requests in flight")
-                self._fail_all(error)
-                continue
-            record = StepRecord(
-                time.perf_counter() - started,
-                len(engine.scheduler.running),
-                len(engine.scheduler.waiting),
-                updates,
-            )
-            for update in updates:
-                self._publish(update)
-            if self.on_step is not None:
-                self.on_step(record)
-        for key in [s.key for s in engine.scheduler.running] + [r.key for r in engine.scheduler.waiting]:
-            engine.cancel(key)
+        self._drain(block=not len(engine.scheduler))
+        if not len(engine.scheduler):
+            return
+        started = time.perf_counter()
+        updates = engine.step()
+        record = StepRecord(
+            time.perf_counter() - started,
+            len(engine.scheduler.running),
+            len(engine.scheduler.waiting),
+            updates,
+        )
+        for update in updates:
+            self._publish(update)
+        if self.on_step is not None:
+            self.on_step(record)
 
     def _drain(self, block: bool) -> None:
         """Apply every queued command; wait for one first when the engine has nothing to do."""
@@ -208,14 +211,27 @@ class EngineService:
             _deliver(entry[1], entry[0], error)
 
     def _fail_all(self, error: Exception) -> None:
-        engine = self.engine
-        for key in [s.key for s in engine.scheduler.running] + [r.key for r in engine.scheduler.waiting]:
-            engine.cancel(key)
+        """Every caller hears of the failure first; then the engine drops their requests."""
+        self._fail_streams(error)
+        self._cancel_in_engine()
+
+    def _close(self, reason: str) -> None:
+        """Take no new request, and fail those still waiting with ``ShuttingDown(reason)``."""
+        with self._lock:
+            self._closed = self._closed or reason
+        self._fail_streams(ShuttingDown(reason))
+
+    def _fail_streams(self, error: Exception) -> None:
         with self._lock:
             failed = list(self._streams.values())
             self._streams.clear()
         for stream, loop in failed:
             _deliver(loop, stream, error)
+
+    def _cancel_in_engine(self) -> None:
+        engine = self.engine
+        for key in [s.key for s in engine.scheduler.running] + [r.key for r in engine.scheduler.waiting]:
+            engine.cancel(key)
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, stream: Stream, item: object) -> None:
