@@ -63,9 +63,9 @@ Answers = dict[Question, list[str]]
 
 TURN_SECONDS = 0.1
 """How long each method runs before the next takes its turn, in a batched run (see ``in_turns``).
-Measured as two ``ar`` engines against each other on the bench's 42 prompts (docs/runner.md,
-session 54): turns of a second left their ratio 0.986-1.013 over 11 runs at batch 8 and 32, turns of
-a tenth 0.997-1.002 over 7; a tenth is still several passes at batch 8 and two at batch 32."""
+Two identical ``ar`` engines measured closer together with turns of a tenth of a second than of a
+second (docs/runner.md, "how far apart two identical engines measure"); a tenth still holds whole
+passes at the batch sizes benched."""
 
 
 @dataclass
@@ -172,8 +172,9 @@ def run_bench(
             )
             report.recording = [recorded(q, answers[q]) for q in questions]
         if larger:
-            # By an engine of its own: the timed engine that filled them ran its batches about 0.6%
-            # slower than its twin (docs/runner.md, "Session 56"), which favoured every other method.
+            # By an engine of its own: the timed engine that filled them ran its batches slower than
+            # its twin (docs/runner.md, "the bench's own bias at batch 8 and 32"), which favoured every
+            # other method.
             filler = METHODS[REFERENCE].build(setup)
             prompts = batched_prompts(filler, loaded.tokenizer, questions, max_new_tokens, answers)
             for size in larger:
@@ -294,9 +295,10 @@ def _batched(
 ) -> list[BatchResult]:
     """Every method over all prompts at one batch size, the methods taking turns a step at a time: a
     shared host's speed drifts from one minute to the next, so runs made one after the other compare
-    the minutes they ran in more than the methods (docs/runner.md, "Session 52"). With repeats, who
-    goes first alternates. Each method's median run gives its figures and every run's seconds are
-    kept (its speedup pairs each run with ``ar``'s of the same repeat: ``batch_speedup``)."""
+    the minutes they ran in more than the methods (docs/runner.md, "batched methods measured in
+    turns"). With repeats, who goes first alternates. Each method's median run gives its figures and
+    every run's seconds are kept (its speedup pairs each run with ``ar``'s of the same repeat:
+    ``batch_speedup``)."""
     runs: dict[str, list[Run]] = {name: [] for name in batchable}
     for repeat in range(repeats):
         order = batchable if repeat % 2 == 0 else batchable[::-1]
@@ -486,7 +488,7 @@ def _cpu_model() -> str:
 
 def _cpu_id(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """Family and model numbers: under a hypervisor the model name is often just the vendor's line
-    ("AMD EPYC"), which names hosts a generation and half the matrix rate apart alike."""
+    ("AMD EPYC"), which names hosts of different generations and matrix rates alike."""
     try:
         lines = cpuinfo.read_text().splitlines()
     except OSError:

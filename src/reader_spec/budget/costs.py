@@ -6,7 +6,7 @@ per machine, model and batch size (``budget.probe``), cached on disk, and read b
 every step. Passes are packed, so what a pass costs is the total of the batch's draft tokens.
 Every total up to ``DENSE_TOKENS`` is measured, not sampled: on a CPU the curve is a staircase as
 the matrix kernels change block shapes, and interpolating between sparse samples misprices it
-(``docs/architecture.md`` has a measured curve).
+(``docs/architecture.md``, "What it measures", has a measured curve).
 """
 
 from __future__ import annotations

@@ -72,8 +72,7 @@ def _probe_text(probe: ModelRunner, context: int, width: int, vocab: int) -> lis
 
     The passes are timed on text the model would accept: on random tokens alone it is unsure of every
     next token, and the greedy head then computes tens of float32 column blocks a row where text needs
-    a few, which priced passes of 12-32 tokens 15-17% above what they cost on text (docs/runner.md,
-    "The probe's text").
+    a few, which priced wide passes above what they cost on text (docs/runner.md, "The probe's text").
     """
     generator = torch.Generator().manual_seed(PROBE_SEED)
     natural = min(NATURAL_TOKENS, context - 1)
@@ -94,7 +93,7 @@ def time_interleaved(
 ) -> dict[Key, float]:
     """Each call's fastest round by key (:func:`~reader_spec.engine.timing.best_times`): a pass's own
     cost, which a median would not give where bursts of load cover half the rounds of one width
-    (``docs/architecture.md`` has the case that bent a median-based probe)."""
+    (``docs/architecture.md``, "How it measures", has the case that bent a median-based probe)."""
     return dict(zip(calls, best_times(list(calls.values()), rounds, synchronize), strict=True))
 
 
@@ -107,13 +106,14 @@ class Floor:
     parameters: int
     bytes_per_second: float
     """Measured: reading a buffer as large as the weights, by the fastest of a sum and the fast runner's
-    one-row product with and without requests ahead (5-10% faster than the sum on an AMD EPYC, where
-    the sum's rate made the floor of a one-token pass higher than what the runner took)."""
+    one-row product with and without requests ahead (on some processors the product reads faster than
+    the sum, whose rate would put the floor of a one-token pass above what the runner takes)."""
     flops_per_second: float
-    """Measured: a large float matrix product, by the faster of PyTorch's and the fast runner's kernels
-    (PyTorch's runs at 40% of the compiled kernel's rate on some CPUs, which would flatter the curve);
-    for weights stored in integers, the model's own products at many rows (their multiply-adds are
-    integer ones, at another rate than float32's)."""
+    """Measured: a large float matrix product, by the faster of PyTorch's and the fast runner's
+    kernels (PyTorch's runs far below the compiled kernel's rate on some CPUs, which would flatter
+    the curve; docs/runner.md, "On an AMD EPYC host"); for weights stored in integers, the model's
+    own products at many rows (their multiply-adds are integer ones, at another rate than
+    float32's)."""
     integer_products: bool = False
     """Whether ``flops_per_second`` counts integer operations (weights stored in int8 or int4)."""
 
@@ -156,9 +156,10 @@ def floor_and_passes(
     """This machine's floor and the seconds of batch 1's passes of ``widths`` draft tokens (as
     :func:`probe_verify`), timed in the same rounds.
 
-    A shared host's speed can move by a third within minutes (docs/runner.md, session 41): a floor
-    measured before the passes would divide one minute's passes by another minute's floor. Taking
-    both in the same rounds, each at its fastest, compares them at the same moments.
+    A shared host's speed moves within minutes (docs/runner.md, "weights in registers, the floor in the
+    passes' rounds"): a floor measured before the passes would divide one minute's passes by another
+    minute's floor. Taking both in the same rounds, each at its fastest, compares them at the same
+    moments.
     """
     probe = FloorProbe(model)
     passes = verify_calls(model, 1, widths, context, runner)

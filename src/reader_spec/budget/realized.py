@@ -18,16 +18,15 @@ class RealizedAcceptance:
     """Draft tokens accepted per unit of probability the kept nodes were given, over recent steps.
 
     The drafters' probabilities are calibrated on every node they propose, but the allocation keeps
-    the nodes estimated likeliest, and an estimate picked for being high is high on average (measured
-    on Spec-Bench prompts with the reader drafter: 0.74 tokens accepted per unit of estimate at batch
-    1, 0.70 at 8, 0.90 at 32; docs/runner.md). Verifying those nodes then costs more than they return
-    exactly where a pass has little to spare. The engine records each verified proposal here and the
-    allocation scales probabilities by :attr:`factor`, so what it expects is what verification has
-    been giving. Only downwards: selection inflates estimates, it does not deflate them, and a
-    drafter's own calibration answers for estimates that run low. Every step fades what came before by
-    ``decay``, steps that verified nothing included, so a factor that stopped all drafting drifts back
-    to 1 and drafting is tried again; ``prior`` units of probability at a factor of 1 keep the first
-    steps from swinging it.
+    the nodes estimated likeliest, and an estimate picked for being high is high on average
+    (docs/architecture.md, "Allocation across the batch"). Verifying those nodes then costs more
+    than they return exactly where a pass has little to spare. The engine records each verified
+    proposal here and the allocation scales probabilities by :attr:`factor`, so what it expects is
+    what verification has been giving. Only downwards: selection inflates estimates, it does not
+    deflate them, and a drafter's own calibration answers for estimates that run low. Every step
+    fades what came before by ``decay``, steps that verified nothing included, so a factor that
+    stopped all drafting drifts back to 1 and drafting is tried again; ``prior`` units of
+    probability at a factor of 1 keep the first steps from swinging it.
     """
 
     def __init__(self, decay: float = 0.99, prior: float = 4.0) -> None:
@@ -51,40 +50,41 @@ class RealizedAcceptance:
 
 EXTRA_SCALE = 0.1
 """A pass's drafts as a share of a plain pass, for weighing ``RealizedCost``'s prior on their extra:
-its prior steps are passes whose drafts add this much (one to eight draft tokens add 10-100% to a
-plain pass at batch 1 on this project's CPUs). A pass whose drafts the curve prices at a few percent
-says little about the curve's shape: at batch 8 the first pass of one draft token (4% on the curve,
-three times that in the run) set ``extra`` near 3 with a prior of 0.02, which priced every larger
-tree three times too high for the rest of the run (docs/runner.md, session 54); ``per_token``, the
+its prior steps are passes whose drafts add this much. A pass whose drafts the curve prices at a few
+percent says little about the curve's shape: with a prior of 0.02, one dear pass of one draft token
+early in a batch-8 run raised ``extra`` enough to price every larger tree too high for the rest of
+the run (docs/runner.md, "a batch's drafts in one call of the retrieval core"); ``per_token``, the
 linear term, is what such passes move now, as it is what prices a curve called flat."""
 EXTRA_RANGE = 16.0
-"""``RealizedCost``'s extra stays within [1 / this, this]: the curve of session 30's slow minute
-priced a draft token at a fourteenth of what the next calibration measured (0.1 against 1.46 ms)."""
+"""``RealizedCost``'s extra stays within [1 / this, this]: wide enough for a curve timed in a slow
+minute, which can price a draft token at a small fraction of its cost (docs/runner.md, "Costs that a
+slow minute cannot bend")."""
 
 
 class RealizedCost:
     """Measured pass seconds against the cost curve's: a plain pass, the drafts' extra, and a cost per
     draft token the curve does not show.
 
-    The curve is timed on synthetic passes once; a running engine's passes depart from it, and not by
-    one factor. At batch 8 plain passes ran below the curve and passes with drafts above it
-    (docs/runner.md), and a curve timed while the host streamed memory slowly (a Zen 4 host here
-    switches between about 51 and 35 GB/s for seconds at a time) prices the plain pass high and each
-    draft token low, so that trees come out too large in every later run. A curve can also be flat
-    where passes are not: one timed at batch 8 on a shared host priced eight draft tokens at nothing
-    where the run's passes paid 60% more for them (docs/runner.md, session 44), and no factor on a
-    flat curve's extra makes it steeper. So a pass of ``n`` drafts is taken to cost
-    ``t(0) (base + per_token n) + extra (t(n) - t(0))`` of the curve's ``t``, and the three factors
-    are fitted to the measured passes by least squares (each pass relative to its plain entry, so
-    long and short contexts weigh alike), over recent steps: every step fades what came before by
-    ``decay``, and ``prior`` steps hold each factor where the passes say little about it (``base``
-    and ``extra`` at 1, for ``extra`` steps whose drafts add ``EXTRA_SCALE`` to the pass;
-    ``per_token`` at 0, on steps of one draft token), so that the fit returns to the curve while no
-    pass has drafts. A pass more than ``band`` times off the curve either way is not counted: a burst
-    of other work stalled it, or the curve is not this machine's (tests price passes in made-up
-    seconds). ``base`` stays within that band, ``extra`` within ``EXTRA_RANGE`` and ``per_token`` at
-    or above 0, so that a few noisy passes cannot make drafts look free. What a pass costs against
-    the curve depends on the batch size, so the engine keeps one per size bucket.
+    The curve is timed on synthetic passes once; a running engine's passes depart from it, and not
+    by one factor. At batch 8 plain passes ran below the curve and passes with drafts above it, and
+    a curve timed while the host streamed memory slowly (some hosts switch their memory bandwidth
+    for seconds at a time) prices the plain pass high and each draft token low, so that trees come
+    out too large in every later run (docs/architecture.md, "Allocation across the batch"). A curve
+    can also be flat where passes are not: one timed at batch 8 on a shared host priced eight draft
+    tokens at nothing where the run's passes paid much more for them (docs/runner.md, "passes with
+    drafts priced as they cost"), and no factor on a flat curve's extra makes it steeper. So a pass
+    of ``n`` drafts is taken to cost ``t(0) (base + per_token n) + extra (t(n) - t(0))`` of the
+    curve's ``t``, and the three factors are fitted to the measured passes by least squares (each
+    pass relative to its plain entry, so long and short contexts weigh alike), over recent steps:
+    every step fades what came before by ``decay``, and ``prior`` steps hold each factor where the
+    passes say little about it (``base`` and ``extra`` at 1, for ``extra`` steps whose drafts add
+    ``EXTRA_SCALE`` to the pass; ``per_token`` at 0, on steps of one draft token), so that the fit
+    returns to the curve while no pass has drafts. A pass more than ``band`` times off the curve
+    either way is not counted: a burst of other work stalled it, or the curve is not this machine's
+    (tests price passes in made-up seconds). ``base`` stays within that band, ``extra`` within
+    ``EXTRA_RANGE`` and ``per_token`` at or above 0, so that a few noisy passes cannot make drafts
+    look free. What a pass costs against the curve depends on the batch size, so the engine keeps
+    one per size bucket.
     """
 
     def __init__(self, decay: float = 0.98, prior: float = 4.0, band: float = 2.0) -> None:
@@ -167,11 +167,11 @@ class _GateState:
 class DraftingGate:
     """Whether the next step should ask the drafter for proposals at all.
 
-    Proposing costs time before any pass runs (about a millisecond for 32 sequences with the reader
-    drafter on the development machine), and at a large batch on a CPU the drafts the allocation
-    keeps may save less than that: a pass has little compute to spare. Per batch-size bucket (powers
-    of two: what a pass has to spare depends on the batch), the gate keeps sums of what the
-    allocation expected drafting to save per step
+    Proposing costs time before any pass runs (docs/architecture.md, "Allocation across the batch"),
+    and at a large batch on a CPU the drafts the allocation keeps may save less than that: a pass
+    has little compute to spare. Per batch-size bucket (powers of two: what a pass has to spare
+    depends on the batch), the gate keeps sums of what the allocation expected drafting to save per
+    step
     (:func:`~reader_spec.budget.allocation.seconds_saved`) and of the seconds drafting took, over
     the bucket's steps, faded by ``decay`` at each. A bucket stays open for its first
     ``min_trials`` proposing steps (a request's first steps often find nothing to draft from); after
@@ -181,8 +181,8 @@ class DraftingGate:
     their sample of the text), so the sums stay estimates over recent steps while the gate is
     closed: one exploring step that finds drafts worth their time outweighs what older trials said
     and opens the gate for about as long as it stands for. Weighed as one step among the last
-    hundred trials instead, as before session 55, it could not: a batch-8 gate closed by a run's
-    first steps stayed closed for most of the run (docs/runner.md, session 55).
+    hundred trials instead, it could not: a batch-8 gate closed by a run's first steps stayed closed
+    for most of the run (docs/runner.md, "a closed drafting gate that can reopen").
     """
 
     def __init__(

@@ -32,8 +32,8 @@ from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
 REUSED_INDEXES = 4
 """Indexes of ended requests kept for the next ones: a request whose prompt begins with an ended
 request's whole text (the next turn of a conversation, which re-sends it) starts from a copy of that
-index and indexes only what is new. Measured on agent traces, indexing each turn's context from
-scratch was over half of the drafter's time."""
+index and indexes only what is new: on agent traces, indexing each turn's whole context from scratch
+dominated the drafter's time."""
 
 _SOURCE_ORDER = ("context", "context-half", "history", "history-half", "datastore")
 """The sources in the order their matches join a tree (which decides ties): the compiled core's too."""

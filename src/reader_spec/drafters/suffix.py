@@ -29,8 +29,8 @@ Ties ArcticInference leaves to the history of its sibling lists (a chain takes t
 of most frequent children, whose order among equal counts depends on the order the counts grew in) and
 to its binary heap's layout (equal float32 probabilities) are broken here by a total order: higher
 probability, higher count, then shallower, then the more recent occurrence. On the agentic replay this
-changes about one proposal in six, mostly between equally scored drafts, and tokens per step by +0.2%
-(trees) to +0.4% (chains) over ArcticInference's own tree (docs/peers.md).
+changes some proposals, mostly between equally scored drafts, and leaves tokens per step slightly above
+ArcticInference's own tree (docs/peers.md, "Replay figures").
 
 The structure. An explicit suffix tree with counts costs ``max_depth`` node updates per appended token,
 which pure Python cannot afford on agentic prompts of tens of thousands of tokens, each request anew.

@@ -12,10 +12,9 @@ changes.
 
 The inner function for ``sdpa`` models also fixes a CPU cost: transformers' ``sdpa`` repeats every
 key/value head for each query head it serves (``repeat_kv``) whenever more than one token is queried
-under a mask, which copies the whole cache each layer (it doubled a 2-token pass at batch 8 on the
-development CPU; ``docs/architecture.md``). PyTorch's kernel reads shared
-heads directly (``enable_gqa``). Everything else (one query token, no mask, GPUs, position biases,
-soft-capping) goes to ``sdpa`` itself.
+under a mask, which copies the whole cache each layer (``docs/architecture.md``, "Packed attention").
+PyTorch's kernel reads shared heads directly (``enable_gqa``). Everything else (one query token, no
+mask, GPUs, position biases, soft-capping) goes to ``sdpa`` itself.
 """
 
 from __future__ import annotations
@@ -142,9 +141,10 @@ def attention_call_cost(
     """What one more attention call costs, in query-key pairs of this shape on this device, timed once
     per process: what :func:`pack` weighs padding against.
 
-    On a CPU a call's fixed work is worth a few hundred pairs (``docs/architecture.md``). On a GPU a
-    call is host work (slices, copies, kernel launches) while pairs are almost free: there the cost
-    comes out as :data:`MOST_CALL_COST` and a batch attends in one call per run of consecutive rows.
+    On a CPU a call's fixed work is worth a few hundred pairs (``docs/architecture.md``, "Packed
+    attention"). On a GPU a call is host work (slices, copies, kernel launches) while pairs are
+    almost free: there the cost comes out as :data:`MOST_CALL_COST` and a batch attends in one call
+    per run of consecutive rows.
     """
     key = (shape, dtype, str(device))
     if key not in _CALL_COSTS:
@@ -233,8 +233,8 @@ def visibility(
     tokens count at their cache index (drafts only: verified trees have none).
 
     Built in numpy, on the host (the masks are host tensors): a pass's bookkeeping runs after its
-    weights have swept the caches, where each PyTorch op costs 15-60 us, a numpy one a few
-    (docs/runner.md, "Session 45").
+    weights have swept the caches, where each PyTorch op costs many times a numpy one
+    (docs/runner.md, "inside the compiled stack; a pass's Python").
     """
     width = max(local.shape[0] for local in local_masks)
     allowed = np.zeros((len(local_masks), width, kv_length), dtype=bool)

@@ -65,7 +65,8 @@ NATIVE_ROWS = 64
 """Passes of up to this many tokens (plain steps, trees, batches) always run the compiled attention
 and whole compiled layers. Larger ones (a prompt's chunks) run them where the compiled attention timed
 faster than PyTorch's kernel for a prompt of that size (:func:`compiled_attention_wins`): PyTorch's
-shares hundreds of rows better between cores on some CPUs, not on others (``docs/runner.md``)."""
+shares hundreds of rows better between cores on some CPUs, not on others (``docs/runner.md``, "On an
+AMD EPYC host")."""
 
 
 def supports(model: PreTrainedModel) -> bool:
@@ -208,7 +209,7 @@ class FastDecoder:
 
     def _stack_kernels(self, tokens: int) -> list[int]:
         """Every layer's kernel choices at ``tokens`` rows, as the compiled stack takes them (built once
-        per row count: 30 layers' lookups cost 0.1 ms of a pass)."""
+        per row count: every layer's lookups would otherwise run on every pass)."""
         kernels = self._kernels_by_tokens.get(tokens)
         if kernels is None:
             kernels = [kernel for layer in self.layers for kernel in layer.kernels_at(tokens)]
@@ -277,9 +278,9 @@ class FastDecoder:
         """Make the kernel choices timed per row count or bucket (each matrix shape's product, the
         greedy head, the attention beyond whole layers) now, for passes of up to ``max_rows`` tokens
         (:func:`~reader_spec.engine.weights.kernel_rows`). Each is timed
-        when a pass first needs it, which in a running engine adds 0.2-1 s to that step (measured at
-        6-24 rows, 2026-11-26): a warm-up calls this, so that no timed step pays for it, nor the first
-        method of a benchmark for those after it."""
+        when a pass first needs it, which in a running engine would add its timing to that step
+        (docs/model-drafter.md, "the bench's drafters on the target's cache"): a warm-up calls this, so
+        that no timed step pays for it, nor the first method of a benchmark for those after it."""
         for rows in kernel_rows(max_rows):
             self.lm_head.kernel_at(rows)
             for layer in self.layers:

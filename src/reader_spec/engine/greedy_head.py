@@ -128,7 +128,7 @@ class GreedyHead:
 
     def _bounded(self, hidden: torch.Tensor, trees: Trees | None = None) -> tuple[torch.Tensor, bool, int]:
         """Each row's token (``UNBOUNDED``, ``UNNEEDED`` or the argmax), whether any is ``UNBOUNDED``
-        (told by the kernel: reading the tokens back costs 0.1 ms after a pass has swept the caches)
+        (told by the kernel: reading the tokens back is dear after a pass has swept the caches)
         and how many rows the integer products computed to the end (the others were found below a
         rejected draft partway)."""
         head = self.head

@@ -1,8 +1,8 @@
 """A pass's small index tensors, built on the host through numpy.
 
 A pass's bookkeeping runs after its weights have swept every cache, where each PyTorch call costs
-15-60 us (its code and data evicted) and a numpy one a few: ``torch.tensor`` of 8 ints took 140 us
-there, ``torch.from_numpy(numpy.array(...))`` 85 (docs/runner.md, "Session 46").
+many times a numpy one (its code and data evicted), and building a tensor through numpy beats
+``torch.tensor`` (docs/runner.md, "the host's bookkeeping around a pass and a step, cut further").
 """
 
 from __future__ import annotations

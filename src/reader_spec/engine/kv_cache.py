@@ -42,7 +42,8 @@ class RaggedLayer(CacheLayerMixin):
         owner = self.owner
         shape = (owner.num_rows, key_states.shape[-3], owner.capacity)
         # Zeroed (a masked position's value still meets a zero weight) and on ordinary pages: huge
-        # pages made passes 1-2% faster but cost seconds to fault in at batch 32 (docs/runner.md).
+        # pages made passes barely faster and were slow to fault in at large batches (docs/runner.md,
+        # "The AVX2 host again: row tiles, an integer head, the KV cache").
         self.keys = key_states.new_zeros((*shape, key_states.shape[-1]))
         self.values = value_states.new_zeros((*shape, value_states.shape[-1]))
         self.is_initialized = True
@@ -119,7 +120,8 @@ class RaggedKVCache(Cache):
 
     def lengths_of(self, rows: Sequence[int]) -> np.ndarray:
         """The committed lengths of ``rows``, read through numpy (the same memory): after a pass has
-        swept the caches an indexed tensor read costs 15-60 us, a numpy one a few (docs/runner.md)."""
+        swept the caches an indexed tensor read costs many times a numpy one (docs/runner.md, "inside the
+        compiled stack; a pass's Python")."""
         return self.lengths.numpy()[rows]
 
     # --- the window of the next forward pass -------------------------------------------------
@@ -178,9 +180,9 @@ class RaggedKVCache(Cache):
         """Keep, for each of ``rows`` (distinct), the written entries at window offsets ``accepted[i]``
         (ascending): entry ``accepted[i][j]`` moves to offset ``j`` and the row grows by
         ``len(accepted[i])``. Only the moved entries are touched, for the whole batch at once: on a
-        CPU in one compiled call over every layer (the two indexed copies a layer cost 1.2-1.8 ms a
-        step on a 30-layer model after a pass, docs/runner.md), elsewhere in one indexed copy per
-        buffer (per-row copies would be 60 kernel launches per row)."""
+        CPU in one compiled call over every layer (two indexed copies a layer, each dear after a pass has
+        swept the caches; docs/runner.md, "the host's bookkeeping around a pass and a step, cut further"),
+        elsewhere in one indexed copy per buffer (per-row copies would be 60 kernel launches per row)."""
         rows = list(rows)
         starts = self.lengths_of(rows).tolist()
         moved_rows, destinations, sources = [], [], []

@@ -138,9 +138,9 @@ def round_up(n: int) -> int:
 def to_blocks(weight: torch.Tensor, rows: int, arena: PageArena | None = None) -> torch.Tensor:
     """``[rows / 16, in, 16]``: the matrix padded with zero rows to ``rows`` (a whole number of
     blocks), in panels of 16 columns (in ``arena`` if given). A block's two panels are side by side,
-    so a kernel reads each block as two streams of whole cache lines: on a Zen 1 host the default
-    model's layer products ran 7-15% faster at 1-8 rows than from blocks of 32 columns stored as
-    ``[in, 32]``, which a core reads as one stream (docs/runner.md, "Session 68")."""
+    so a kernel reads each block as two streams of whole cache lines: products of a few rows ran faster
+    than from blocks of 32 columns stored as ``[in, 32]``, which a core reads as one stream
+    (docs/runner.md, "blocks stored as two panels, 7-row panel tiles")."""
     out_features, in_features = weight.shape
     if rows != out_features:
         weight = torch.cat([weight, weight.new_zeros(rows - out_features, in_features)])

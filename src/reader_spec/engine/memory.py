@@ -5,8 +5,8 @@ ordinary memory):
 
 - Packed matrices are carved from one :class:`PageArena` backed by 2 MB pages (transparent huge
   pages). A pass streams every matrix once; with 4 KB pages that is a TLB miss every 4 KB, whose page
-  walk the prefetchers cannot run ahead of. Huge pages made whole passes 5-8% faster on the development
-  machine (docs/runner.md).
+  walk the prefetchers cannot run ahead of, so huge pages make whole passes faster (docs/runner.md,
+  "Huge pages for the weights").
 - The model's original weights, copied by packing, are dropped from memory where they are mapped
   from a file (:func:`release_file_pages`), so that packing keeps no second copy.
 """

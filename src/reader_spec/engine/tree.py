@@ -90,7 +90,7 @@ class DraftTree:
             row = rows[parent].copy() if parent >= 0 else [False] * n
             row[i] = True
             rows.append(row)
-        # numpy, not torch.tensor: a fifth of the cost, once per tree of every pass
+        # numpy, not torch.tensor: cheaper after a pass has swept the caches, once per tree of every pass
         return torch.from_numpy(np.array(rows, dtype=bool).reshape(n, n))
 
     def path_to(self, node: int) -> list[int]:

@@ -65,24 +65,22 @@ ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 32, 64, 128, 256, 512)
 """Row counts at which the kernels are timed; a pass uses the choice of the next bucket up (larger
 passes, the batched matmul). 12 is the most rows one AVX-512 tile holds: up to it a product reads
 its matrix once from memory in one stream, beyond it in several tiles, and whether requesting the
-weights ahead pays differs between the two (docs/runner.md). The largest covers a prompt's chunk
-(``runner.PREFILL_CHUNK``): PyTorch's batched matmul is near this CPU's matrix rate on some
-processors and far below it on others (2.5x slower than the compiled kernel at 32-512 rows on an AMD
-EPYC, docs/runner.md)."""
+weights ahead pays differs between the two (docs/runner.md, "Requests into L2, timed per row count").
+The largest covers a prompt's chunk (``runner.PREFILL_CHUNK``): PyTorch's batched matmul is near this
+CPU's matrix rate on some processors and far below the compiled kernel's on others (docs/runner.md,
+"On an AMD EPYC host")."""
 AHEAD_TIMED_ROWS = 8
 """Up to this many rows whether the compiled kernel requests its weights ahead is timed at each row
-count on the whole pass, not per bucket and shape: the answer turns within a few rows (an AMD EPYC
-Zen 4 host: passes of 3-6 tokens 3-11% faster without requests, of 8-16 tokens 1-6% faster with
-them; docs/runner.md). Beyond 8 rows it held across each bucket there (and AVX2's products of more
-than 7 rows make their own requests, whatever is chosen)."""
+count on the whole pass, not per bucket and shape: the answer turns within a few rows (docs/runner.md,
+"requests ahead per row count on the whole pass"). Beyond 8 rows it held across each bucket in that
+measurement (and AVX2's products of more than 7 rows make their own requests, whatever is chosen)."""
 COMPUTE_BOUND_ROWS = 128
 """From this many rows a product is bound by arithmetic, not by reading its matrix: the kernels are
 timed on one matrix of the shape, which caches cannot flatter, in fewer rounds."""
 BATCHED_MARGIN = 1.1
 """The batched matmul runs a row bucket only where it timed at least this much faster: timed products
 run back to back, while in a pass each follows other work, and there the compiled kernel did better
-than timed (whole passes, 12-24 rows: 1-5% faster on the compiled kernel where timing chose the
-batched matmul; docs/runner.md)."""
+than timed (docs/runner.md, "Whole layers in one call, and a compiled attention")."""
 WEIGHT_FORMATS = ("float32", "int8", "int4")
 """How :func:`pack_linears` stores a matrix: ``float32``, the model's own weights, unquantized (blocked
 where they are float32 on a CPU, other dtypes and devices as they are); ``int8``, symmetric per output
@@ -109,8 +107,8 @@ class Kernel(enum.IntEnum):
     """The compiled kernel, leaving it to the hardware's prefetcher to read the weights ahead."""
     READING_AHEAD = 2
     """The compiled kernel, requesting each block's weights into L2 a few KB ahead of its multiply-adds
-    (float32): where the hardware's prefetcher alone leaves the memory idle part of the time (an Intel
-    Xeon: passes of 2-8 tokens 5-15% faster; docs/runner.md), while on other processors it only adds
+    (float32): where the hardware's prefetcher alone leaves the memory idle part of the time
+    (docs/runner.md, "Requests into L2, timed per row count"), while on other processors it only adds
     work."""
 
 
@@ -259,7 +257,8 @@ class PackedLinear(nn.Module):
 
     def _blocked_rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """Rows of a float32 blocked matrix: each a column of its block, gathered in one compiled loop
-        where the kernels are built (a third of the indexing's time in a pass, docs/runner.md)."""
+        where the kernels are built (cheaper than indexing; docs/runner.md, "the host's bookkeeping
+        around a pass and a step, cut further")."""
         if tokens.device.type == "cpu" and kernels.available():
             return torch.ops.reader_spec.blocked_rows(self.weight, tokens)
         return self.weight[tokens // PANEL, :, tokens % PANEL]
@@ -475,10 +474,11 @@ _READS_AHEAD: dict[tuple[tuple[int, ...], ...], dict[int, bool]] = {}
 def time_together(linears: Sequence[PackedLinear]) -> None:
     """Have the kernels for each shape among ``linears`` timed on all its matrices, each read once per
     round, as a pass reads them: one matrix timed alone stays in the caches, where the batched matmul
-    looked faster than in a pass (12-24 rows: 1-5% slower passes with its choices, 2026-11-25). Whether
-    the compiled kernel requests its weights ahead is timed on all of them in the given order, as a pass
-    reads them: timed per shape, the small matrices (a layer's query/key/value and output projections)
-    favoured requests that made whole passes of 3-6 tokens slower (docs/runner.md)."""
+    looked faster than in a pass (docs/runner.md, "Whole layers in one call, and a compiled attention").
+    Whether the compiled kernel requests its weights ahead is timed on all of them in the given order, as
+    a pass reads them: timed per shape, the small matrices (a layer's query/key/value and output
+    projections) favoured requests that made whole passes of a few tokens slower (docs/runner.md,
+    "requests ahead per row count on the whole pass")."""
     groups: dict[tuple, list[torch.Tensor]] = {}
     for linear in linears:
         groups.setdefault((tuple(linear.weight.shape), linear.weight.dtype), []).append(linear.weight)

@@ -13,11 +13,10 @@ Path probabilities are products of the draft model's next-token probabilities, e
 an online calibration against real acceptances (a draft model's confidence is not the target's
 agreement), learned apart for a node's likeliest child and its other children: under greedy
 verification the likeliest child is accepted whenever the two models' argmaxes agree, whatever its
-probability, and the others almost never (measured on the self-draft: the likeliest child 88-100% in
-every probability bucket, the second 0-10%, docs/model-drafter.md). Growing a level costs a draft
-pass: with the verification costs the engine gives, a level runs only when its expected accepted
-tokens per second beat the step's without it, and a fused drafter can skip the draft model for a
-step where retrieval alone already pays best.
+probability, and the others almost never (docs/architecture.md, "The model drafter and its fusion
+with retrieval"). Growing a level costs a draft pass: with the verification costs the engine gives,
+a level runs only when its expected accepted tokens per second beat the step's without it, and a
+fused drafter can skip the draft model for a step where retrieval alone already pays best.
 """
 
 from __future__ import annotations
@@ -45,8 +44,7 @@ MAX_VETOES = 256
 PROMPT_WINDOW = 256
 """Most prompt tokens the draft model reads (the last ones). Reading a prompt costs the draft model
 about what it costs the target (prefill is compute-bound, int8 or not), which at batch 8 doubled
-prefill (measured: 234 ms a request against the target's 242); retrieval covers copying from
-further back."""
+prefill (docs/model-drafter.md, "Batches"); retrieval covers copying from further back."""
 CATCH_UP_LIMIT = 32
 """Most tokens one request's catch-up feeds the draft model. After a longer gap (steps a fused drafter
 ran without the draft model) it re-reads only the last ones: feeding every emitted token costs the
@@ -55,16 +53,17 @@ now and then cost more than it could return."""
 PREFILL_SPREAD = 32
 """Steps a request's draft prefill is spread over when deciding to start drafting for it."""
 PRIOR_TRIALS = 2.0
-"""Trials a calibration bucket's prior weighs (the retrieval sources' weigh 8): the draft model's
-probability is a poor prior for greedy acceptance of a likeliest child (measured 88-100% where it
-says 10-40%), and with 8 the buckets learned so slowly where the draft model rarely ran that it went
-on skipping steps it would have won (4 prompts, 96 tokens: 208 steps, those buckets at 0.26-0.69
-after them; with 2: 147 steps, 0.54-0.86; docs/model-drafter.md)."""
+"""Trials a calibration bucket's prior weighs (the retrieval sources' weigh ``PRIOR_STRENGTH`` of
+``drafters/retrieval/calibration.py``): the draft model's probability is a poor prior for greedy
+acceptance of a likeliest child (accepted far more often than it says), and with priors of 8 trials
+the buckets learned so slowly where the draft model rarely ran that it went on skipping steps it
+would have won (docs/model-drafter.md, "integer products, the target's cache, calibration by
+rank")."""
 RUNS_BEFORE_PRICING = 3
 """Runs of the draft model before its typical tree and timed levels may say it does not pay: the
-first level of a new drafter can take ten times the usual (measured: 172 ms against 14), and one such
-estimate vetoed the draft model in a fused drafter for good, since only running it corrects it (a
-median of three drops it)."""
+first level of a new drafter can take many times the usual, and one such estimate
+(docs/model-drafter.md, "the bench's drafters on the target's cache") vetoed the draft model in a
+fused drafter for good, since only running it corrects it (a median of three drops it)."""
 RECENT_TREES = 16
 """Sequences' trees the typical tree is averaged over (``_worth_running``)."""
 INITIAL_ROWS = 4
@@ -144,11 +143,10 @@ class ModelDrafter:
     (``propose_batch``'s ``verify_seconds``), a level expands the nodes whose pass pays most and
     levels stop when none would.
 
-    By default a level expands one node with two children: a draft pass costs about half a target
-    pass on a CPU, and a node other than its parent's likeliest child is rarely accepted under
+    By default a level expands one node with two children: a draft pass costs a large share of a
+    target pass on a CPU, and a node other than its parent's likeliest child is rarely accepted under
     greedy verification, so wider trees (EAGLE-2's four by four) cost more than they returned
-    (self-draft on first turns: 1.10-1.16x plain decoding at four by four, 1.28-1.30x at one or
-    two children of one node; docs/model-drafter.md).
+    (docs/model-drafter.md, "the bench's drafters on the target's cache").
     """
 
     prices_own_drafting = True
@@ -372,10 +370,11 @@ class ModelDrafter:
         asks this first, to rarely even try the draft model where it cannot pay).
 
         Not never: the typical tree and the timed levels are only corrected by running the draft
-        model, so a veto held for good would keep an early estimate for good (measured: a first tree
-        priced before any acceptance was seen vetoed all 340 later steps of three prompts). After
-        ``EXPLORE_EVERY`` vetoes in a row one step is let through, then after twice as many, up to
-        ``MAX_VETOES``; a step the price lets through resets the count."""
+        model, so a veto held for good would keep an early estimate for good (a first tree priced
+        before any acceptance was seen vetoed nearly every later step; docs/model-drafter.md, "the
+        bench's drafters on the target's cache"). After ``EXPLORE_EVERY`` vetoes in a row one step
+        is let through, then after twice as many, up to ``MAX_VETOES``; a step the price lets
+        through resets the count."""
         if self._worth_running(requests, alongside, LevelPricing(verify_seconds, len(requests), alongside)):
             self._vetoes, self._veto_limit = 0, EXPLORE_EVERY
             return True
@@ -393,8 +392,8 @@ class ModelDrafter:
 
         The typical tree is cut at every depth up to the levels last grown (its likeliest nodes, as
         many as that many levels give a sequence): the last run's depth is not the only one that can
-        pay (measured: eight levels grown where every node was accepted, then skipped for dozens of
-        steps where two would have paid). Both trees mostly propose the same continuation where both
+        pay (a deep tree grown where every node was accepted, then skipped for many steps where a
+        shallower one would have paid). Both trees mostly propose the same continuation where both
         are right, so each sequence is priced with the likelier of the two (by expected accepted
         tokens, the sum of its path probabilities), not their union. Prompts the draft model has not
         read yet add their prefill, spread over ``PREFILL_SPREAD`` steps.

@@ -21,13 +21,14 @@ class PassTimer:
     """Seconds a draft level costs by its number of tokens (its pass and the work around it: masks,
     the softmax, the tree), learned from the levels run; None until one was timed.
 
-    Each count's estimate is the median of its last ``window`` levels: the first levels (cold caches,
-    kernel choice, up to 4x the usual) and bursts of load from other processes drop out, and what is
-    left is what a level costs in a running engine. That is 20-30% above the fastest level (another
-    model's weights pass through the caches between levels); priced at the fastest, as at first, the
-    tree grew levels that cost more than they returned (docs/model-drafter.md). Between counts it
-    interpolates; beyond the largest it extends the last two linearly (flat with one), since a pass of
-    a few more tokens costs about the same on a bandwidth-bound machine.
+    Each count's estimate is the median of its last ``window`` levels: the first levels (cold
+    caches, kernel choice, several times the usual) and bursts of load from other processes drop
+    out, and what is left is what a level costs in a running engine. That is well above the fastest
+    level (another model's weights pass through the caches between levels); priced at the fastest,
+    as at first, the tree grew levels that cost more than they returned (docs/model-drafter.md, "the
+    bench's drafters on the target's cache"). Between counts it interpolates; beyond the largest it
+    extends the last two linearly (flat with one), since a pass of a few more tokens costs about the
+    same on a bandwidth-bound machine.
     """
 
     window: int = 9
