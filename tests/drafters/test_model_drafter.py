@@ -211,7 +211,7 @@ def test_the_self_draft_stores_what_int4_keeps_closest_and_stays_exact(
 
 def test_a_draft_model_with_another_tokenizer_is_refused(tiny, tiny_llama_dir):
     stranger = LoadedModel(make_tiny_llama(), make_tiny_tokenizer(80), "other", "another-fingerprint")
-    with pytest.raises(ValueError, match="another tokenizer"):
+    with pytest.raises(ModelLoadError, match="another tokenizer"):
         Engine(tiny, ModelDrafter(stranger))
     target = replace(tiny, fingerprint="not-the-drafts")
     with pytest.raises(ModelLoadError, match="another tokenizer"):

@@ -27,6 +27,7 @@ from reader_spec.drafters.model.drafter import MODEL_SOURCE, ModelDrafter
 from reader_spec.drafters.reader import ReaderDrafter
 from reader_spec.engine.runner import ModelRunner
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
+from reader_spec.loading import LoadedModel
 
 FUSIONS = ("reader", "rasd")
 RASD_TOP_K = 8
@@ -41,16 +42,8 @@ def merge_proposals(proposals: Sequence[Proposal]) -> Proposal:
     """
     paths: dict[tuple[int, ...], tuple[float, str]] = {}
     for proposal in proposals:
-        node_paths: list[tuple[int, ...]] = []
-        for token, parent, prob, source in zip(
-            proposal.tokens,
-            proposal.parents,
-            proposal.probs,
-            proposal.sources or ("",) * len(proposal),
-            strict=True,
-        ):
-            path = (*node_paths[parent], token) if parent >= 0 else (token,)
-            node_paths.append(path)
+        sources = proposal.sources or ("",) * len(proposal)
+        for path, prob, source in zip(_paths(proposal), proposal.probs, sources, strict=True):
             if path not in paths or prob > paths[path][0]:
                 paths[path] = (prob, source)
     if not paths:
@@ -122,6 +115,7 @@ def sub_feedback(part: Proposal, fused: Proposal, accepted: Sequence[int]) -> tu
 
 
 def _paths(proposal: Proposal) -> list[tuple[int, ...]]:
+    """Each node's tokens from the root down (nodes come after their parents)."""
     paths: list[tuple[int, ...]] = []
     for token, parent in zip(proposal.tokens, proposal.parents, strict=True):
         paths.append((*paths[parent], token) if parent >= 0 else (token,))
@@ -248,7 +242,7 @@ class FusedDrafter:
         self._extensions: dict[Hashable, tuple[tuple[int, ...], Proposal]] = {}
         """Each request's last extension: the draft model's path it follows, and retrieval's tree."""
 
-    def check_target(self, target) -> None:
+    def check_target(self, target: LoadedModel) -> None:
         self.model.check_target(target)
 
     def share_cache(self, runner: ModelRunner, row_of: Callable[[Hashable], int]) -> bool:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from reader_spec.drafters.calibration import ProbabilityCalibrator, node_trials
+from reader_spec.drafters.model.loading import check_same_tokenizer
 from reader_spec.drafters.model.pricing import LevelPricing, PassTimer
 from reader_spec.engine.runner import ModelRunner, synchronizer, text_config
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
@@ -200,17 +201,8 @@ class ModelDrafter:
         self._requests: dict[Hashable, _Request] = {}
         self._synchronize = synchronizer(draft.model.device)
 
-    @property
-    def fingerprint(self) -> str:
-        return self.draft.fingerprint
-
     def check_target(self, target: LoadedModel) -> None:
-        """Refuse a target whose tokenizer is not the draft model's (the drafts would mean other text)."""
-        if target.fingerprint != self.draft.fingerprint:
-            raise ValueError(
-                f"the draft model {self.draft.name} has another tokenizer than the target "
-                f"{target.name}; a draft model must share the target's tokenizer"
-            )
+        check_same_tokenizer(self.draft, target)
 
     # --- requests ----------------------------------------------------------------------------------
     def share_cache(self, runner: ModelRunner, row_of: Callable[[Hashable], int]) -> bool:

@@ -27,12 +27,17 @@ def load_draft_model(spec: str, target: LoadedModel) -> LoadedModel:
     if spec == SELF:
         return self_draft(target)
     draft = load_model(spec, dtype=target.model.dtype, device=target.model.device)
+    check_same_tokenizer(draft, target)
+    return draft
+
+
+def check_same_tokenizer(draft: LoadedModel, target: LoadedModel) -> None:
+    """Refuse a draft model whose tokenizer is not the target's: its drafts would mean other text."""
     if draft.fingerprint != target.fingerprint:
         raise ModelLoadError(
             f"the draft model {draft.name} has another tokenizer than the target {target.name}: "
             "a draft model must share the target's tokenizer"
         )
-    return draft
 
 
 def self_draft(target: LoadedModel, weights: str = SELF_WEIGHTS) -> LoadedModel:
