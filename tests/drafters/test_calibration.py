@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from reader_spec.drafters.calibration import ProbabilityCalibrator, node_trials
+from reader_spec.drafters.calibration import ProbabilityCalibrator, node_trials, verified_trials
 from reader_spec.engine.tree import Proposal
 
 
@@ -65,3 +65,11 @@ def test_shifted_priors_carry_a_context_s_evidence_to_buckets_without_trials():
         misses.update(0.85, False)
     assert misses(0.5) < 0.05
     assert misses.table()[misses.cell(0.5)] == misses(0.5)
+
+
+def test_only_the_drafters_own_nodes_verified_teach_it() -> None:
+    drafted = Proposal((1, 2, 3), (-1, 0, 1), (0.5, 0.4, 0.3))
+    assert verified_trials(drafted, drafted.truncated(2), [0]) == [(0, True), (1, False)]  # cut to budget
+    assert verified_trials(drafted, Proposal((1, 9), (-1, 0), (0.5, 0.4)), [0]) == []  # another tree
+    assert verified_trials(drafted, drafted.truncated(0), []) == []  # nothing verified
+    assert verified_trials(None, drafted, [0]) == []  # nothing drafted

@@ -119,6 +119,17 @@ def shifted_priors(
     return [1.0 / (1.0 + math.exp(-(x + shift))) for x in logits]
 
 
+def verified_trials(
+    drafted: Proposal | None, verified: Proposal, accepted: Sequence[int]
+) -> list[tuple[int, bool]]:
+    """:func:`node_trials` of a step's verification where it tested the drafter's own nodes:
+    ``verified`` is ``drafted`` cut to the step's budget (another tree, or none, teaches nothing)."""
+    n = len(verified)
+    if drafted is None or n == 0 or verified != drafted.truncated(n):
+        return []
+    return node_trials(verified, accepted)
+
+
 def node_trials(proposal: Proposal, accepted: Sequence[int]) -> list[tuple[int, bool]]:
     """Each node verification tested (its parent was accepted, or it hangs from the root), and
     whether it was accepted: one trial per node for the calibration."""

@@ -15,7 +15,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from reader_spec.drafters.calibration import RAW_BOUNDS, node_trials
+from reader_spec.drafters.calibration import RAW_BOUNDS, verified_trials
 from reader_spec.drafters.retrieval import native
 from reader_spec.drafters.retrieval.calibration import (
     AGREEMENT_LEVELS,
@@ -331,10 +331,8 @@ class ReaderDrafter:
         self._learn(pending, proposal, accepted)
 
     def _learn(self, pending: _Pending | None, proposal: Proposal, accepted: Sequence[int]) -> None:
-        n = len(proposal)
-        if pending is None or n == 0 or proposal != pending.proposal.truncated(n):
-            return
-        for node, hit in node_trials(proposal, accepted):
+        drafted = pending.proposal if pending is not None else None
+        for node, hit in verified_trials(drafted, proposal, accepted):
             context, raw = pending.estimates[node]
             self.calibrators[proposal.sources[node]].update(raw, hit, context)
 

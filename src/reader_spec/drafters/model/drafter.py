@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from reader_spec.drafters.calibration import ProbabilityCalibrator, node_trials
+from reader_spec.drafters.calibration import ProbabilityCalibrator, verified_trials
 from reader_spec.drafters.model.loading import check_same_tokenizer
 from reader_spec.drafters.model.pricing import LevelPricing, PassTimer
 from reader_spec.engine.runner import ModelRunner, synchronizer, text_config
@@ -255,11 +255,8 @@ class ModelDrafter:
         """Calibrate on every model node whose parent was accepted: it was tested, and hit if accepted."""
         state = self._requests[request]
         pending, state.pending = state.pending, None
-        n = len(proposal)
-        if pending is None or n == 0 or proposal != pending[0].truncated(n):
-            return
-        raw = pending[1]
-        for node, hit in node_trials(proposal, accepted):
+        drafted, raw = pending if pending is not None else (None, [])
+        for node, hit in verified_trials(drafted, proposal, accepted):
             if proposal.sources[node] == MODEL_SOURCE:
                 q, context = raw[node]
                 self.calibrate.update(q, hit, context)
