@@ -84,7 +84,7 @@ def run(
     seed: int,
     datastore: Datastore | None,
 ) -> dict[str, float]:
-    drafter = DRAFTERS[drafter_name].build(datastore, None)
+    drafter = DRAFTERS[drafter_name].build(datastore, None, "auto")
     spec_budget = DRAFTERS[drafter_name].budget or budget
     streams = [phrase_stream(random.Random(s)) for s in request_seeds(seed, batch)]
     prompts = [take(stream, context) for stream in streams]

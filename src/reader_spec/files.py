@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import json
 import os
 import tempfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,22 +50,56 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_directory(path.parent)
+
+
+def fsync_directory(path: Path) -> None:
+    """Make the renames into a directory survive a power cut: POSIX keeps a file's name in its
+    directory, which syncing the file does not write. Skipped where directories cannot be opened
+    (no ``os.O_DIRECTORY``: Windows) or synced (``EINVAL``: some network and FUSE file systems)."""
+    flag = getattr(os, "O_DIRECTORY", None)
+    if flag is None:
+        return
+    fd = os.open(path, os.O_RDONLY | flag)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
 
 
 def json_lines(path: str | Path, error: type[Exception]) -> Iterator[tuple[int, object]]:
     """Each non-blank line of a JSONL file (gzipped when the name ends in .gz), parsed, with its number.
 
-    A line that is not JSON raises ``error`` naming the file and line, so every reader reports alike.
+    A line that is not JSON or not UTF-8, and a .gz file that is damaged or cut short, raise ``error``
+    naming the file and line, so every reader reports alike. Lines are read as bytes and decoded one
+    by one, so a bad byte is blamed on its own line (a text stream decodes ahead, a block at a time).
     """
     opener = gzip.open if Path(path).suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with opener(path, "rb") as f:
+        number = 0
+        while True:
+            number += 1
+            try:
+                raw = f.readline()
+                line = raw.decode("utf-8")
+            except EOFError:
+                raise error(f"{path}:{number}: the gzip data is cut short (an incomplete file)") from None
+            except (gzip.BadGzipFile, zlib.error) as e:
+                raise error(f"{path}:{number}: damaged or not gzip data ({e})") from None
+            except UnicodeDecodeError as e:
+                raise error(f"{path}:{number}: not UTF-8 text (byte {e.start + 1} of the line)") from None
+            if not raw:
+                return
             if not line.strip():
                 continue
             try:
-                yield number, json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise error(f"{path}:{number}: not valid JSON ({e.msg})") from None
+            yield number, record
 
 
 def file_sha256(path: Path) -> str:

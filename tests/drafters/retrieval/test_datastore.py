@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
+import stat
+import subprocess
+import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -194,13 +199,14 @@ def test_wrong_tokenizer(store_dir):
         Datastore.open(store_dir, fingerprint="other")
 
 
-def test_truncated_and_missing_files(store_dir):
-    tokens = store_dir / TOKENS_FILE
-    tokens.write_bytes(tokens.read_bytes()[:-4])
-    with pytest.raises(DatastoreError, match="truncated"):
+@pytest.mark.parametrize("name", [TOKENS_FILE, SUFFIX_ARRAY_FILE])
+def test_truncated_and_missing_files(store_dir, name):
+    array = store_dir / name
+    array.write_bytes(array.read_bytes()[:-4])
+    with pytest.raises(DatastoreError, match=rf"{name} is truncated"):
         Datastore.open(store_dir)
-    tokens.unlink()
-    with pytest.raises(DatastoreError, match="missing"):
+    array.unlink()
+    with pytest.raises(DatastoreError, match=f"{name} is missing"):
         Datastore.open(store_dir)
 
 
@@ -278,6 +284,115 @@ def test_rebuild_replaces_but_never_clobbers_other_data(store_dir, tmp_path):
     assert build(empty, [[1]]).meta.tokens == 1
 
 
+def test_a_corrupt_suffix_array_is_refused_at_open(store_dir):
+    sa = store_dir / SUFFIX_ARRAY_FILE
+    sa.write_bytes(np.random.default_rng(0).bytes(sa.stat().st_size))
+    with pytest.raises(DatastoreError, match=rf"{SUFFIX_ARRAY_FILE} is corrupt"):
+        Datastore.open(store_dir)
+
+
+def test_tokens_without_end_separators_are_refused_at_open(store_dir):
+    tokens = store_dir / TOKENS_FILE
+    stream = np.fromfile(tokens, dtype="<u4")
+    stream[-1] = 5
+    stream.tofile(tokens)
+    with pytest.raises(DatastoreError, match=rf"{TOKENS_FILE} is corrupt"):
+        Datastore.open(store_dir)
+
+
+def _corrupt_arrays(store: Datastore) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(tokens, suffix array) pairs that open's checks would refuse, each read outside the stream."""
+    size = len(store.tokens)
+    sa = store.suffix_array
+    garbage = np.frombuffer(np.random.default_rng(1).bytes(4 * size), dtype="<i4")
+    no_front_separator = np.array(store.tokens)
+    no_front_separator[0] = BIG[0]
+    return [
+        (store.tokens, garbage),
+        (store.tokens, np.full_like(sa, size)),
+        (store.tokens, np.full_like(sa, -1)),
+        (no_front_separator, np.zeros_like(sa)),  # back from position 0 would read before the stream
+    ]
+
+
+@pytest.mark.parametrize("scan_below", [0, 256, 10**9], ids=["bisect-only", "mixed", "scan-only"])
+def test_lookups_on_a_corrupt_suffix_array_raise(random_corpus, retrieval_path, monkeypatch, scan_below):
+    """A datastore damaged after opening (or opened by other means) raises instead of crashing."""
+    store, _ = random_corpus
+    monkeypatch.setattr(ds_module, "_SCAN_BELOW", scan_below)
+    for tokens, sa in _corrupt_arrays(store):
+        damaged = Datastore(store.path, store.meta, tokens, sa)
+        with pytest.raises(DatastoreError, match=rf"{SUFFIX_ARRAY_FILE} is corrupt"):
+            damaged.lookup_batch([[BIG[0], BIG[0]], [BIG[1]]])
+    assert store.lookup([BIG[0]]).match_length == 1
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid
+
+
+def _leftover(parent: Path, name: str, mtime: float | None = None) -> Path:
+    path = parent / name
+    path.mkdir()
+    (path / TOKENS_FILE).write_bytes(b"half")
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_a_build_sweeps_what_killed_builds_left(store_dir):
+    parent, dead = store_dir.parent, _dead_pid()
+    stale = [
+        _leftover(parent, f".store.building-{dead}-abc"),
+        _leftover(parent, f".store.old-{dead}-def"),
+        _leftover(parent, ".store.building-q1w2e3r4", mtime=time.time() - 3600),  # before pids were named
+    ]
+    kept = [
+        _leftover(parent, f".store.building-{os.getpid()}-ghi"),  # a live build
+        _leftover(parent, f".other.building-{dead}-jkl"),  # another output's
+        _leftover(parent, ".store.building-z9x8c7v6", mtime=time.time() + 3600),  # started after this one
+    ]
+    build(store_dir, [[8, 8]])
+    assert not any(p.exists() for p in stale)
+    assert all(p.exists() for p in kept)
+
+
+def test_a_kill_between_the_install_renames_loses_nothing(store_dir, monkeypatch):
+    """The old index waits in an .old- sibling; the next build puts it back before anything else."""
+    parent, dead = store_dir.parent, _dead_pid()
+    os.replace(store_dir, parent / f".store.old-{dead}-abc")
+    _leftover(parent, f".store.building-{dead}-def")
+    with pytest.raises(DatastoreError, match="no datastore"):
+        Datastore.open(store_dir)
+
+    def fail(stream):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(ds_module, "_suffix_array", fail)
+    with pytest.raises(RuntimeError):
+        build(store_dir, [[9, 9, 9]])
+    assert sorted(p.name for p in parent.iterdir()) == ["store"]
+    assert Datastore.open(store_dir, verify=True).meta.tokens == 7
+
+
+def test_install_syncs_the_directories_it_renames_in(store_dir, monkeypatch):
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            synced.append(info.st_ino)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    build(store_dir, [[8, 8]])
+    assert store_dir.stat().st_ino in synced  # the staged directory's entries, before it moves in
+    assert store_dir.parent.stat().st_ino in synced  # the rename itself
+
+
 # --- corpus -----------------------------------------------------------------------------------------
 def test_read_documents_formats(tmp_path):
     lines = [
@@ -312,6 +427,14 @@ def test_bad_corpus_lines(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "w1"}\n' + line + "\n")
     with pytest.raises(PromptError, match=f"bad.jsonl:2: .*{message}"):
+        list(read_documents(path))
+
+
+def test_a_cut_off_gzip_corpus_is_a_one_line_error_naming_the_line(tmp_path):
+    data = gzip.compress(b"".join(b'{"text": "w%d w5"}\n' % i for i in range(5000)))
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(PromptError, match=r"cut\.jsonl\.gz:\d+: the gzip data is cut short"):
         list(read_documents(path))
 
 

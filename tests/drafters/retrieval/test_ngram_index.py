@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
+from reader_spec.drafters import ReaderDrafter
 from reader_spec.drafters.retrieval import native
-from reader_spec.drafters.retrieval.ngram_index import CompiledNgramIndex, NgramIndex
+from reader_spec.drafters.retrieval.ngram_index import MAX_NGRAM, CompiledNgramIndex, NgramIndex
 
 
 def test_compiled_and_pure_indexes_agree():
@@ -50,3 +53,19 @@ def test_a_copy_is_independent():
     copy.append([3, 9])
     assert list(original.tokens) == [1, 2, 3, 1, 2] and original.longest_match().length == 2
     assert list(copy.tokens) == [1, 2, 3, 1, 2, 3, 9] and copy.longest_match().length == 0
+
+
+@pytest.mark.parametrize("max_ngram", [0, MAX_NGRAM + 1, 300])
+def test_max_ngram_outside_the_range_is_refused_alike(index_class, max_ngram):
+    with pytest.raises(ValueError, match=rf"max_ngram must lie in \[1, {MAX_NGRAM}\], not {max_ngram}"):
+        index_class(max_ngram)
+
+
+def test_reader_drafter_refuses_the_same_max_ngram_on_both_paths(retrieval_path):
+    with pytest.raises(ValueError, match="max_ngram must lie in"):
+        ReaderDrafter(max_ngram=300)
+    with pytest.raises(ValueError, match="max_ngram must lie in"):
+        ReaderDrafter(max_ngram=300, history_tokens=0).begin("request", [1, 2, 3])
+    drafter = ReaderDrafter(max_ngram=MAX_NGRAM)
+    drafter.begin("request", [1, 2, 3, 1, 2])
+    assert drafter.history is not None and drafter.history.index.max_ngram == MAX_NGRAM

@@ -25,6 +25,8 @@ from reader_spec.files import json_lines
 from reader_spec.prompts import IdFilter, InputRecord, PromptError, by_id_parity, encode_prompt, read_jsonl
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from reader_spec.engine.loop import Output
     from reader_spec.loading import LoadedModel
 
@@ -44,7 +46,9 @@ def read_documents(path: str | Path) -> Iterator[Document]:
         yield _jsonl_document(record, f"{path}:{number}")
 
 
-def tokenize_documents(tokenizer, documents: Iterable[Document], batch_size: int = 64) -> Iterator[list[int]]:
+def tokenize_documents(
+    tokenizer: PreTrainedTokenizerBase, documents: Iterable[Document], batch_size: int = 64
+) -> Iterator[list[int]]:
     """Token ids per document; batches go through the fast tokenizer together."""
     iterator = iter(documents)
     while batch := list(islice(iterator, batch_size)):
@@ -52,7 +56,9 @@ def tokenize_documents(tokenizer, documents: Iterable[Document], batch_size: int
         yield from tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
 
 
-def file_documents(tokenizer, paths: Iterable[str | Path], batch_size: int = 64) -> Iterator[list[int]]:
+def file_documents(
+    tokenizer: PreTrainedTokenizerBase, paths: Iterable[str | Path], batch_size: int = 64
+) -> Iterator[list[int]]:
     """Token ids of every document of every file, in order."""
     documents = (document for path in paths for document in read_documents(path))
     return tokenize_documents(tokenizer, documents, batch_size)
@@ -158,7 +164,7 @@ def _jsonl_document(record: object, where: str) -> Document:
     raise PromptError(f"{where}: needs a 'text' or 'prompt' string, a 'messages' list or 'turns'")
 
 
-def _chat_text(tokenizer, messages: list[dict[str, str]]) -> str:
+def _chat_text(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
     """A whole conversation through the chat template, without a trailing generation prompt."""
     if not getattr(tokenizer, "chat_template", None):
         raise PromptError("this tokenizer has no chat template, so 'messages' documents cannot be rendered")

@@ -15,9 +15,10 @@ search per candidate suffix length.
 **Why pydivsufsort.** It ships prebuilt wheels of libdivsufsort (O(n log n) worst case, fast in
 practice, 32-bit indices below 2**31 bytes) and accepts integer arrays by encoding each symbol as
 big-endian bytes. Separators are remapped to ``max token + 1`` before sorting (the order is unchanged),
-so a 49,152-token vocabulary sorts as 2-byte symbols: about 12 s and 1.3 GB peak for 50M tokens on
-this project's 2-core machine. libsais would be faster but has no maintained Python wheel; numpy prefix
-doubling needs O(log longest-repeat) full sorts, which corpora with duplicated files make slow.
+so a vocabulary below 65,535 tokens sorts as 2-byte symbols rather than 4: half the bytes to sort
+(measured builds: ``docs/bench/README.md``, Datastore). libsais would be faster but has no maintained
+Python wheel; numpy prefix doubling needs O(log longest-repeat) full sorts, which corpora with
+duplicated files make slow.
 
 **Lookup speed.** While the suffix-array range is large, each narrowing step is two C-level bisects
 (``bisect`` with a key) over memory-mapped arrays read through ``memoryview``; once it is small, one
@@ -27,9 +28,10 @@ spaced occurrences are gathered in one numpy read and identical ones are counted
 **On disk.** A directory with ``tokens.bin`` (little-endian uint32), ``suffix_array.bin`` (little-endian
 int32, or int64 past 2**31 tokens) and ``meta.json`` (format version, tokenizer fingerprint, model,
 counts, sources, build time, and each array's dtype, length, byte size and sha256). Arrays are opened
-with ``numpy.memmap``: opening is instant and processes share pages. Builds write into a hidden sibling
-directory and rename it into place only when complete, so an interrupted build leaves nothing that
-opens and never damages the index it replaces.
+with ``numpy.memmap``: opening reads nothing but one pass over the suffix array that checks it (see
+``Datastore.open``), and processes share pages. Builds write into a hidden sibling directory and rename
+it into place only when complete, so an interrupted build leaves nothing that opens and never damages
+the index it replaces; the next build of the same output removes what a killed one left.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -51,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from reader_spec.drafters.retrieval import native
-from reader_spec.files import file_sha256
+from reader_spec.files import file_sha256, fsync_directory
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,8 @@ META_FILE = "meta.json"
 
 _SCAN_BELOW = 256
 """Suffix-array ranges smaller than this are finished with one numpy comparison instead of bisects."""
+_CORRUPT = "an entry points outside the token stream"
+"""What both lookup paths raise (ValueError) on a suffix-array entry that no sound array holds."""
 _HASH_BLOCK = 1 << 24
 
 
@@ -156,8 +161,11 @@ class Datastore:
         """Open a datastore; raise :class:`DatastoreError` if it cannot serve this tokenizer.
 
         ``fingerprint`` (see ``loading.tokenizer_fingerprint``) must match the one it was built with;
-        ``None`` skips the check. Sizes are always checked; ``verify`` also checks every checksum,
-        which reads every byte.
+        ``None`` skips the check. Sizes are always checked, and so are the token stream's end
+        separators and the suffix array's least and greatest entries (a sorted permutation of the
+        stream's positions): one sequential pass over the suffix array, a small fraction of a build,
+        that refuses random damage before any lookup. ``verify`` also checks every checksum, which
+        reads every byte. Damage these checks miss is caught by the lookups (see ``lookup_batch``).
         """
         path = Path(path)
         meta = read_meta(path)
@@ -182,7 +190,17 @@ class Datastore:
             if verify and file_sha256(file) != info.sha256:
                 raise DatastoreError(f"{file} is corrupt (checksum mismatch); rebuild the datastore")
             arrays[name] = np.memmap(file, dtype=np.dtype(info.dtype), mode="r", shape=(info.length,))
-        return cls(path, meta, arrays[TOKENS_FILE], arrays[SUFFIX_ARRAY_FILE])
+        tokens, suffix_array = arrays[TOKENS_FILE], arrays[SUFFIX_ARRAY_FILE]
+        if tokens[0] != SEP or tokens[-1] != SEP:
+            raise DatastoreError(
+                f"{path / TOKENS_FILE} is corrupt (no document separator at both ends); rebuild the datastore"
+            )
+        if suffix_array.min() != 0 or suffix_array.max() != len(tokens) - 1:
+            raise DatastoreError(
+                f"{path / SUFFIX_ARRAY_FILE} is corrupt (entries outside the token stream); "
+                "rebuild the datastore"
+            )
+        return cls(path, meta, tokens, suffix_array)
 
     # --- building ----------------------------------------------------------------------------------
     @classmethod
@@ -200,12 +218,13 @@ class Datastore:
         ``output`` may be missing, an empty directory or an existing datastore; it is replaced only
         once the new index is complete. ``sources`` is provenance stored as given in ``meta.json``.
         """
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
         output = Path(output)
+        _sweep_stale(output, started_at)
         check_output(output)
         stream, documents_count = _concatenate(documents)
         output.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.building-"))
+        staging = Path(tempfile.mkdtemp(dir=output.parent, prefix=_sibling_prefix(output, "building")))
         try:
             files = {TOKENS_FILE: _write_array(staging / TOKENS_FILE, stream.astype("<u4", copy=False))}
             log.info("sorting the suffixes of %s tokens", f"{len(stream):,}")
@@ -224,6 +243,7 @@ class Datastore:
                 build_seconds=round(time.perf_counter() - started, 3),
             )
             _write_json(staging / META_FILE, asdict(meta))
+            fsync_directory(staging)
             _install(staging, output)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -251,14 +271,24 @@ class Datastore:
         max_occurrences: int = 64,
         max_depth: int = 16,
     ) -> list[Lookup]:
-        """``lookup`` of every context of a batch; the compiled core searches them in parallel."""
+        """``lookup`` of every context of a batch; the compiled core searches them in parallel.
+
+        Every suffix-array entry is checked before it is used as a position, on both paths, so a
+        suffix array damaged past ``open``'s checks raises :class:`DatastoreError` instead of
+        reading outside the arrays (the compiled core would crash the process).
+        """
         if max_suffix < 1 or max_occurrences < 1 or max_depth < 1:
             raise ValueError("max_suffix, max_occurrences and max_depth must be at least 1")
         queries = [_query(context, max_suffix) for context in contexts]
         core = native.core()
-        if core is None or sys.byteorder != "little":
-            return [self._lookup(query, max_occurrences, max_depth) for query in queries]
-        found = core.lookup(self.tokens, self.suffix_array, queries, max_occurrences, max_depth)
+        try:
+            if core is None or sys.byteorder != "little":
+                return [self._lookup(query, max_occurrences, max_depth) for query in queries]
+            found = core.lookup(self.tokens, self.suffix_array, queries, max_occurrences, max_depth)
+        except ValueError as e:  # the queries are valid by now: only a corrupt array is left to blame
+            raise DatastoreError(
+                f"{self.path / SUFFIX_ARRAY_FILE} is corrupt ({e}); rebuild the datastore"
+            ) from None
         return [Lookup(*one) if one[0] else NO_LOOKUP for one in found]
 
     def _lookup(self, query: list[int], max_occurrences: int, max_depth: int) -> Lookup:
@@ -268,7 +298,7 @@ class Datastore:
         total = hi - lo
         sampled = min(max_occurrences, total)
         picks = lo + (np.arange(sampled, dtype=np.int64) * total) // sampled
-        ends = self.suffix_array[picks].astype(np.int64)
+        ends = self._ends(self.suffix_array[picks], length)
         last = len(self.tokens) - 1  # always a separator
         window = self.tokens[np.minimum(ends[:, None] + np.arange(1, max_depth + 1), last)]
         stops = window == SEP
@@ -295,7 +325,9 @@ class Datastore:
                 return self._finish_by_scan(query, lo, hi, length)
             token, back = query[-1 - length], length
 
-            def key(end: int, back: int = back) -> int:
+            def key(end: int, back: int = back, size: int = len(tok)) -> int:
+                if not back <= end < size:
+                    raise ValueError(_CORRUPT)
                 return tok[end - back]
 
             a = bisect_left(sa, token, lo, hi, key=key)
@@ -308,7 +340,7 @@ class Datastore:
     def _finish_by_scan(self, query: list[int], lo: int, hi: int, length: int) -> tuple[int, int, int]:
         """Extend a match over a small range at once: the longest agreeing entries are contiguous."""
         rest = np.array(query[: len(query) - length][::-1], dtype=np.int64)  # next tokens back, nearest first
-        ends = self.suffix_array[lo:hi].astype(np.int64)
+        ends = self._ends(self.suffix_array[lo:hi], length)
         back = np.arange(length, len(query), dtype=np.int64)
         # Entries agree on `length` non-separator tokens, so each has a separator at or after index 0
         # before any index the clip could alter; the first disagreement comes no later than it.
@@ -319,6 +351,15 @@ class Datastore:
             return lo, hi, length
         rows = np.flatnonzero(runs == best)
         return lo + int(rows[0]), lo + int(rows[-1]) + 1, length + best
+
+    def _ends(self, entries: np.ndarray, matched: int) -> np.ndarray:
+        """Suffix-array entries as int64 positions, checked as the compiled core checks them: an
+        entry read while ``matched`` tokens agree must lie in ``[matched, len(tokens))`` (a match of
+        ``matched`` tokens cannot end sooner: position 0 is a separator)."""
+        ends = entries.astype(np.int64)
+        if len(ends) and (ends.min() < matched or ends.max() >= len(self.tokens)):
+            raise ValueError(_CORRUPT)
+        return ends
 
 
 def _query(context: Sequence[int], max_suffix: int) -> list[int]:
@@ -445,16 +486,75 @@ def check_output(output: Path) -> None:
 
 
 def _install(staging: Path, output: Path) -> None:
-    """Move the finished index into place; an existing one is removed only after the swap."""
+    """Move the finished index into place; an existing one is removed only after the swap.
+
+    POSIX cannot swap two directories atomically, so an existing index is renamed aside, then the new
+    one in: between the two renames (two system calls) ``output`` is missing. A failure of the second
+    rename puts the old index back at once; a kill between them leaves it in the ``.old-`` sibling,
+    which the next build of ``output`` moves back before anything else (``_sweep_stale``).
+    """
     check_output(output)
     if not output.exists():
         os.replace(staging, output)
+        fsync_directory(output.parent)
         return
-    old = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.old-"))
+    old = Path(tempfile.mkdtemp(dir=output.parent, prefix=_sibling_prefix(output, "old")))
     os.replace(output, old)  # an empty directory is replaced by a rename
     try:
         os.replace(staging, output)
     except BaseException:
         os.replace(old, output)
         raise
+    fsync_directory(output.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _sibling_prefix(output: Path, kind: str) -> str:
+    """Hidden working directories beside ``output`` name their kind and the process that owns them."""
+    return f".{output.name}.{kind}-{os.getpid()}-"
+
+
+def _sweep_stale(output: Path, started_at: float) -> None:
+    """Remove the ``.building-`` and ``.old-`` siblings that killed builds of ``output`` left.
+
+    A sibling is stale when the process named in it no longer runs: a build that is still running
+    keeps its own, and a pid reused since then only delays the removal. A sibling without a pid (from
+    versions that did not record it) is stale when it is older than this build. POSIX only: elsewhere
+    no process can be asked whether it runs, and nothing is removed. Two machines building one output
+    on a shared file system at the same time are not supported (each sees the other's pid as gone).
+    If ``output`` is missing and a stale ``.old-`` sibling holds an index, a kill hit ``_install``
+    between its renames: that index is moved back to ``output`` instead of being removed.
+    """
+    if os.name != "posix" or not output.parent.is_dir():
+        return
+    pattern = re.compile(rf"\.{re.escape(output.name)}\.(building|old)-(?:(\d+)-)?\w+")
+    stale: list[tuple[str, Path]] = []
+    for sibling in output.parent.iterdir():
+        found = pattern.fullmatch(sibling.name)
+        if not found or not sibling.is_dir() or sibling.is_symlink():
+            continue
+        pid = found.group(2)
+        live = _running(int(pid)) if pid else sibling.stat().st_mtime >= started_at
+        if not live:
+            stale.append((found.group(1), sibling))
+    previous = [s for kind, s in stale if kind == "old" and (s / META_FILE).is_file()]
+    if previous and not output.exists() and not output.is_symlink():
+        kept = max(previous, key=lambda s: s.stat().st_mtime)
+        log.warning("restoring %s, which a killed build had moved aside", output)
+        os.replace(kept, output)
+        fsync_directory(output.parent)
+        stale.remove(("old", kept))
+    for _, sibling in stale:
+        log.info("removing %s, left by a killed build", sibling)
+        shutil.rmtree(sibling, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether a process with this id runs on this machine (signal 0 only checks)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True

@@ -20,8 +20,8 @@ so rebuilding costs O(1) amortised per added token."""
 class ResponseHistory:
     """The newest finished responses, at most ``max_tokens`` of them in all, indexed for suffix lookups.
 
-    Memory is bounded by ``max_tokens``: the index keeps up to ``max_ngram`` links per token (about
-    100 bytes per token in CPython), so the default of 262,144 tokens stays within some 30 MB.
+    Memory is bounded by ``max_tokens``: the index keeps up to ``max_ngram`` links per token, so it
+    grows linearly in ``max_tokens`` times ``max_ngram`` and never with the number of requests served.
     """
 
     def __init__(self, max_tokens: int = DEFAULT_MAX_TOKENS, max_ngram: int = 12) -> None:

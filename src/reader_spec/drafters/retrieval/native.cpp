@@ -394,27 +394,46 @@ done:
   return result;
 }
 
+// Whether a suffix-array entry read while `matched` tokens agree can be an end of such a match: it must
+// lie in [matched, size), or reading back from it would leave the token stream. Every entry of a sound
+// array passes (position 0 is a separator, so a match of `matched` tokens ends at `matched` or later): a
+// failure means a corrupt file, which datastore.py reports.
+inline bool in_stream(int64_t end, int64_t matched, Py_ssize_t size) { return end >= matched && end < size; }
+
 // Bisection of datastore.py's _longest_suffix: entries of [lo, hi) all end with the query's last
-// `length` tokens, and are sorted by the token `length` places back.
+// `length` tokens, and are sorted by the token `length` places back. False where an entry it reads
+// fails in_stream.
 template <typename End>
-void longest_suffix_in(const uint32_t* tok, const End* sa, Py_ssize_t size, const std::vector<int64_t>& query,
+bool longest_suffix_in(const uint32_t* tok, const End* sa, Py_ssize_t size, const std::vector<int64_t>& query,
                        Py_ssize_t* lo_out, Py_ssize_t* hi_out, Py_ssize_t* length_out) {
   Py_ssize_t lo = 0, hi = size, length = 0;
   const Py_ssize_t n = static_cast<Py_ssize_t>(query.size());
+  bool sound = true;
   while (length < n) {
     const int64_t token = query[n - 1 - length];
     const int64_t back = length;
-    auto key = [&](Py_ssize_t i) { return static_cast<int64_t>(tok[static_cast<int64_t>(sa[i]) - back]); };
+    auto key = [&](Py_ssize_t i) {
+      const int64_t end = static_cast<int64_t>(sa[i]);
+      if (!in_stream(end, back, size)) {
+        sound = false;
+        return int64_t{-1};
+      }
+      return static_cast<int64_t>(tok[end - back]);
+    };
     Py_ssize_t a = lo, b = hi;  // first entry whose key is not below the token
     while (a < b) {
       Py_ssize_t mid = a + (b - a) / 2;
-      if (key(mid) < token) a = mid + 1;
+      const int64_t k = key(mid);
+      if (!sound) return false;
+      if (k < token) a = mid + 1;
       else b = mid;
     }
     Py_ssize_t c = a, d = hi;  // first entry whose key is above it
     while (c < d) {
       Py_ssize_t mid = c + (d - c) / 2;
-      if (key(mid) <= token) c = mid + 1;
+      const int64_t k = key(mid);
+      if (!sound) return false;
+      if (k <= token) c = mid + 1;
       else d = mid;
     }
     if (a == c) break;
@@ -425,22 +444,26 @@ void longest_suffix_in(const uint32_t* tok, const End* sa, Py_ssize_t size, cons
   *lo_out = lo;
   *hi_out = hi;
   *length_out = length;
+  return true;
 }
 
 constexpr uint32_t kSeparator = 0xFFFFFFFFu;
+// What lookup raises (ValueError) on an entry that fails in_stream; the pure path says the same.
+constexpr const char* kCorrupt = "an entry points outside the token stream";
 
-// What follows `sampled` evenly spaced occurrences of [lo, hi), up to max_depth tokens cut at a
-// separator, counted per distinct continuation: most frequent first, ties in sampling order
-// (datastore.py: Datastore.lookup).
+using Counted = std::vector<std::pair<std::vector<uint32_t>, Py_ssize_t>>;
+
+// What follows `sampled` evenly spaced occurrences of [lo, hi) of a match of `length` tokens, up to
+// max_depth tokens cut at a separator, counted per distinct continuation: most frequent first, ties in
+// sampling order (datastore.py: Datastore.lookup). False where a sampled entry fails in_stream.
 template <typename End>
-std::vector<std::pair<std::vector<uint32_t>, Py_ssize_t>> count_continuations(
-    const uint32_t* tok, const End* sa, Py_ssize_t size, Py_ssize_t lo, Py_ssize_t total, Py_ssize_t sampled,
-    Py_ssize_t max_depth) {
-  std::vector<std::pair<std::vector<uint32_t>, Py_ssize_t>> counted;
+bool count_continuations(const uint32_t* tok, const End* sa, Py_ssize_t size, Py_ssize_t lo, Py_ssize_t total,
+                         Py_ssize_t length, Py_ssize_t sampled, Py_ssize_t max_depth, Counted* counted) {
   std::map<std::vector<uint32_t>, size_t> seen;
   std::vector<uint32_t> row;
   for (Py_ssize_t i = 0; i < sampled; ++i) {
     const int64_t end = static_cast<int64_t>(sa[lo + (static_cast<int64_t>(i) * total) / sampled]);
+    if (!in_stream(end, length, size)) return false;
     row.clear();
     for (Py_ssize_t j = 1; j <= max_depth; ++j) {
       const uint32_t t = tok[std::min<int64_t>(end + j, size - 1)];
@@ -448,17 +471,19 @@ std::vector<std::pair<std::vector<uint32_t>, Py_ssize_t>> count_continuations(
       row.push_back(t);
     }
     if (row.empty()) continue;
-    auto [at, fresh] = seen.emplace(row, counted.size());
-    if (fresh) counted.emplace_back(row, 0);
-    ++counted[at->second].second;
+    auto [at, fresh] = seen.emplace(row, counted->size());
+    if (fresh) counted->emplace_back(row, 0);
+    ++(*counted)[at->second].second;
   }
-  std::stable_sort(counted.begin(), counted.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
-  return counted;
+  std::stable_sort(counted->begin(), counted->end(),
+                   [](const auto& a, const auto& b) { return a.second > b.second; });
+  return true;
 }
 
 struct Found {
   Py_ssize_t length = 0, occurrences = 0, sampled = 0;
-  std::vector<std::pair<std::vector<uint32_t>, Py_ssize_t>> continuations;
+  Counted continuations;
+  bool corrupt = false;  // the suffix array pointed outside the token stream
 };
 
 // One query's longest suffix and counted continuations; reads the arrays only (no Python objects).
@@ -467,11 +492,13 @@ Found search(const uint32_t* tok, const End* sa, Py_ssize_t size, const std::vec
              Py_ssize_t max_occurrences, Py_ssize_t max_depth) {
   Found found;
   Py_ssize_t lo = 0, hi = 0;
-  longest_suffix_in(tok, sa, size, query, &lo, &hi, &found.length);
-  if (found.length > 0) {
+  if (!longest_suffix_in(tok, sa, size, query, &lo, &hi, &found.length)) {
+    found.corrupt = true;
+  } else if (found.length > 0) {
     found.occurrences = hi - lo;
     found.sampled = std::min(max_occurrences, hi - lo);
-    found.continuations = count_continuations(tok, sa, size, lo, hi - lo, found.sampled, max_depth);
+    found.corrupt = !count_continuations(tok, sa, size, lo, hi - lo, found.length, found.sampled, max_depth,
+                                         &found.continuations);
   }
   return found;
 }
@@ -512,7 +539,8 @@ bool as_query(PyObject* sequence, std::vector<int64_t>* query) {
 // occurrences, sampled, continuations) of its longest suffix. tokens is a uint32 buffer, the suffix
 // array an int32 or int64 buffer of the same length (little-endian, as the files store them). The
 // searches of a batch run in parallel, without the GIL: each is a chain of dependent reads from
-// memory, so they overlap well.
+// memory, so they overlap well. Every entry is checked before it is used as a position (in_stream): a
+// corrupt suffix array raises ValueError instead of reading outside the arrays.
 PyObject* lookup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 5) {
     PyErr_SetString(PyExc_TypeError, "lookup(tokens, suffix_array, queries, max_occurrences, max_depth)");
@@ -553,7 +581,10 @@ PyObject* lookup(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                       : search(tok, static_cast<const int32_t*>(sa.buf), size, queries[i], max_occurrences, max_depth);
     }
     Py_END_ALLOW_THREADS;
-    result = PyList_New(n);
+    if (std::any_of(found.begin(), found.end(), [](const Found& f) { return f.corrupt; }))
+      PyErr_SetString(PyExc_ValueError, kCorrupt);
+    else
+      result = PyList_New(n);
     for (Py_ssize_t i = 0; result && i < n; ++i) {
       PyObject* one = as_python(found[i]);
       if (!one) Py_CLEAR(result);

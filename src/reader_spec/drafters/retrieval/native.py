@@ -11,12 +11,28 @@ import os
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import Protocol
 
 from reader_spec import compiled
 
 SOURCES = [Path(__file__).with_name("native.cpp")]
 
 log = logging.getLogger(__name__)
+
+
+class NgramTable(Protocol):
+    """The core's ``NgramTable`` (``native.cpp``) as type checkers see it: the compiled module has no
+    stubs. Matches are ``(length, end)`` pairs, as ``ngram_index.Match`` holds them."""
+
+    def __len__(self) -> int: ...
+    def append(self, tokens: list[int]) -> None: ...
+    def own_match(self, length: int) -> tuple[int, int]: ...
+    def longest_match(self, query: list[int]) -> tuple[int, int]: ...
+    def occurrences(self, length: int, end: int, limit: int) -> list[int]: ...
+    def continuations(
+        self, length: int, end: int, limit: int, max_depth: int, stop: int
+    ) -> list[tuple[list[int], float]]: ...
+    def copy(self) -> NgramTable: ...
 
 
 @cache

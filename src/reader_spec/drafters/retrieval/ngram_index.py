@@ -19,6 +19,15 @@ from reader_spec.drafters.retrieval import native
 _TOKEN_BITS = 32
 _TOKEN_LIMIT = (1 << _TOKEN_BITS) - 1
 
+MAX_NGRAM = 255
+"""The longest n-gram either index keys: the compiled tables keep n-gram lengths in a byte, and both
+indexes take the same settings, so ``READER_SPEC_PURE=1`` never changes what is accepted."""
+
+
+def _check_max_ngram(max_ngram: int) -> None:
+    if not 1 <= max_ngram <= MAX_NGRAM:
+        raise ValueError(f"max_ngram must lie in [1, {MAX_NGRAM}], not {max_ngram}")
+
 
 def _checked(tokens: Iterable[int]) -> list[int]:
     """Plain ints (numpy ints would overflow the shifted keys) inside the range keys can encode."""
@@ -72,8 +81,7 @@ class NgramIndex(_Text):
     """
 
     def __init__(self, max_ngram: int = 12) -> None:
-        if max_ngram < 1:
-            raise ValueError("max_ngram must be at least 1")
+        _check_max_ngram(max_ngram)
         self.max_ngram = max_ngram
         self._tokens: list[int] = []
         self._last: dict[int, int] = {}
@@ -192,15 +200,16 @@ class CompiledNgramIndex(_Text):
     """``NgramIndex`` with its tables in the compiled retrieval core (``native.NgramTable``): the
     same answers, at C++ speed; the text is also kept as a Python list for callers that slice it."""
 
-    def __init__(self, max_ngram: int = 12, table=None, tokens: list[int] | None = None) -> None:
-        if max_ngram < 1:
-            raise ValueError("max_ngram must be at least 1")
+    def __init__(
+        self, max_ngram: int = 12, table: native.NgramTable | None = None, tokens: list[int] | None = None
+    ) -> None:
+        _check_max_ngram(max_ngram)
         self.max_ngram = max_ngram
         self._table = native.core().NgramTable(max_ngram) if table is None else table
         self._tokens: list[int] = [] if tokens is None else tokens
 
     @property
-    def table(self):
+    def table(self) -> native.NgramTable:
         """The compiled table (``native.NgramTable``), for the core's calls that read it directly."""
         return self._table
 
