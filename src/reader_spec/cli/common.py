@@ -21,41 +21,40 @@ from reader_spec.loading import LoadedModel, load_model
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def add_model_option(parser: argparse.ArgumentParser, runner: bool = True) -> None:
-    """``--model``, and unless the command runs no forward, ``--runner``, ``--device`` and ``--dtype``."""
+def add_model_option(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and how it runs: ``--device``, ``--dtype``, ``--weights`` and ``--runner``."""
     parser.add_argument(
         "--model", help="hub id, local directory or .gguf file (default: SmolLM2-135M-Instruct)"
     )
-    if runner:
-        parser.add_argument(
-            "--device",
-            default="auto",
-            help="where the model runs: cpu, cuda, cuda:N, ... (default auto: the first GPU if there is one)",
-        )
-        parser.add_argument(
-            "--dtype",
-            choices=DTYPES,
-            default="float32",
-            help="the weights' and activations' type (float32 default; a GPU runs bfloat16 faster)",
-        )
-        parser.add_argument(
-            "--weights",
-            choices=["int8", "int4"],
-            help="int8: store the model's matrices in int8, one scale per output channel (a quarter of "
-            "float32's bytes: plain decoding about 2.2x faster on a CPU); output is the int8 model's, "
-            "which makes float32's greedy choice at about 97%% of tokens; int4: GGUF's formats per 32 "
-            "inputs, 4 bits with a scale and minimum (Q4_1) where that is as close as 8 bits with a "
-            "scale (Q8_0), those 8 bits elsewhere: a model from a GGUF file in these formats (the "
-            "default model) gets its own weights back exactly; speculation stays exact against the "
-            "packed model's plain decoding",
-        )
-        parser.add_argument(
-            "--runner",
-            choices=RUNNERS,
-            default="auto",
-            help="the model's forward: fast (the engine's decoder for Llama, Mistral, Qwen2/3, Phi-3, "
-            "Gemma 2/3), transformers (the model's own), auto (fast where supported; default)",
-        )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="where the model runs: cpu, cuda, cuda:N, ... (default auto: the first GPU if there is one)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        help="the weights' and activations' type (float32 default; a GPU runs bfloat16 faster)",
+    )
+    parser.add_argument(
+        "--weights",
+        choices=["int8", "int4"],
+        help="int8: store the model's matrices in int8, one scale per output channel (a quarter of "
+        "float32's bytes: plain decoding about 2.2x faster on a CPU); output is the int8 model's, "
+        "which makes float32's greedy choice at about 97%% of tokens; int4: GGUF's formats per 32 "
+        "inputs, 4 bits with a scale and minimum (Q4_1) where that is as close as 8 bits with a "
+        "scale (Q8_0), those 8 bits elsewhere: a model from a GGUF file in these formats (the "
+        "default model) gets its own weights back exactly; speculation stays exact against the "
+        "packed model's plain decoding",
+    )
+    parser.add_argument(
+        "--runner",
+        choices=RUNNERS,
+        default="auto",
+        help="the model's forward: fast (the engine's decoder for Llama, Mistral, Qwen2/3, Phi-3, "
+        "Gemma 2/3), transformers (the model's own), auto (fast where supported; default)",
+    )
 
 
 def add_prefix_reuse_option(parser: argparse.ArgumentParser) -> None:

@@ -9,9 +9,8 @@ from typing import get_args
 
 from tqdm import tqdm
 
-from reader_spec.cli.common import add_model_option
+from reader_spec.cli.common import add_model_option, load_target
 from reader_spec.drafters.retrieval.datastore import META_FILE, Datastore, check_output
-from reader_spec.loading import load_model
 from reader_spec.prompts import IdFilter, PromptError
 
 
@@ -31,7 +30,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "plain-text document. --from-model: the model's greedy answers to the prompts, stored with their "
         "prompts as the token ids the model saw and produced.",
     )
-    add_model_option(build, runner=False)
+    add_model_option(build)  # --device, --dtype, --weights and --runner serve --from-model
     build.add_argument("--input", nargs="+", default=[], metavar="FILE", help="documents to index")
     build.add_argument(
         "--from-model",
@@ -80,10 +79,15 @@ def _index_build(args: argparse.Namespace) -> int:
         records = read_prompts(args.from_model, args.question_ids)
         if not records:
             raise PromptError(f"{args.from_model}: no prompts with {args.question_ids} ids")
-        loaded = load_model(args.model)
+        loaded = load_target(args)
         with tqdm(total=len(records), desc="answering", unit="prompt", file=sys.stderr, leave=False) as bar:
             answers = answer_documents(
-                loaded, records, args.max_new_tokens, args.batch_size, on_finish=lambda _: bar.update()
+                loaded,
+                records,
+                args.max_new_tokens,
+                args.batch_size,
+                on_finish=lambda _: bar.update(),
+                runner=args.runner,
             )
         sources.append(
             {

@@ -500,19 +500,20 @@ def test_cli_build_and_info(capsys, tiny, tiny_llama_dir, tmp_path, isolated_cac
         assert expected in out
 
 
-def test_cli_build_from_model_answers(capsys, tiny, tiny_llama_dir, tmp_path, isolated_cache):
+@pytest.mark.parametrize("runner", ["auto", "transformers"])
+def test_cli_build_from_model_answers(capsys, tiny, tiny_llama_dir, tmp_path, isolated_cache, runner):
     prompts = tmp_path / "prompts.jsonl"
     lines = [{"id": i, "messages": [{"role": "user", "content": f"w{i + 4} w{i + 5}"}]} for i in (1, 2, 3)]
     prompts.write_text("\n".join(json.dumps(line) for line in lines))
     out_dir = tmp_path / "answers"
     code, out, _ = run(
         capsys, "index", "build", "--model", tiny_llama_dir, "--from-model", prompts,
-        "--question-ids", "odd", "--max-new-tokens", "6", "--output", out_dir,
+        "--question-ids", "odd", "--max-new-tokens", "6", "--output", out_dir, "--runner", runner,
     )  # fmt: skip
     assert code == 0 and "in 2 documents" in out
     store = Datastore.open(out_dir, fingerprint=tiny.fingerprint)
     odd = [lines[0]["messages"], lines[2]["messages"]]
-    greedy = Engine(tiny).generate(odd, GenerationConfig(max_new_tokens=6))  # plain greedy decoding
+    greedy = Engine(tiny, runner=runner).generate(odd, GenerationConfig(max_new_tokens=6))  # plain greedy
     expected = [SEP]
     for prompt, output in zip(odd, greedy, strict=True):
         expected += encode_prompt(tiny.tokenizer, prompt) + output.tokens + [SEP]

@@ -97,8 +97,10 @@ def answer_documents(
     max_new_tokens: int = 256,
     batch_size: int = 1,
     on_finish: Callable[[Output], None] | None = None,
+    runner: str = "auto",
 ) -> list[list[int]]:
-    """Each prompt's token ids followed by the model's greedy answer.
+    """Each prompt's token ids followed by the model's greedy answer (``runner``: the forward, as for
+    :class:`~reader_spec.engine.loop.Engine`).
 
     Decoded with READER's drafter (request text and earlier answers): the output is exactly plain greedy
     decoding's, only faster.
@@ -108,7 +110,7 @@ def answer_documents(
     from reader_spec.engine.loop import Engine
 
     prompts = [r.prompt for r in records]
-    engine = Engine(loaded, ReaderDrafter())
+    engine = Engine(loaded, ReaderDrafter(), runner=runner)
     outputs = engine.generate(
         prompts,
         GenerationConfig(max_new_tokens=max_new_tokens),
