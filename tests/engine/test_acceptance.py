@@ -34,7 +34,7 @@ def tree_logits(seed: int) -> torch.Tensor:
 
 
 def emitted(rule, logits) -> tuple[int, ...]:
-    path, bonus = rule.select(TREE, logits.argmax(-1) if rule.greedy else logits, HISTORY)
+    path, bonus = rule.select(TREE, logits.argmax(-1) if rule.argmax else logits, HISTORY)
     return tuple([TREE.tokens[n] for n in path[1:]] + [bonus])
 
 

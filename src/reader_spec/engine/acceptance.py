@@ -23,14 +23,14 @@ from reader_spec.engine.tree import DraftTree
 
 
 class AcceptanceRule(Protocol):
-    greedy: bool
+    argmax: bool
     """Whether :meth:`select` takes the model's argmax token at each node instead of its logits."""
 
     def select(self, tree: DraftTree, scores: torch.Tensor, history: Sequence[int]) -> tuple[list[int], int]:
         """Accepted node indices (root first) and the bonus token.
 
         ``scores[i]`` is what the target model gives after the path to node i: its logits, or its
-        argmax token where the rule is ``greedy``; ``history`` is the request's text up to and
+        argmax token where the rule is ``argmax``; ``history`` is the request's text up to and
         including the root token.
         """
 
@@ -38,7 +38,7 @@ class AcceptanceRule(Protocol):
 class GreedyRule:
     """Exactly plain greedy decoding: the model's argmax at every node."""
 
-    greedy = True
+    argmax = True
 
     def select(self, tree: DraftTree, scores: torch.Tensor, history: Sequence[int]) -> tuple[list[int], int]:
         best = scores.tolist()
@@ -53,7 +53,7 @@ class SamplingRule:
     siblings); the output is what follows the first ``prompt_length`` tokens.
     """
 
-    greedy = False
+    argmax = False
 
     def __init__(self, config: GenerationConfig, seed: int, prompt_length: int = 0):
         self.config = config

@@ -358,7 +358,7 @@ class Engine:
         """One verification pass over every sequence of the batch."""
         drafts = self._draft(runner, batch)
         started = time.perf_counter()
-        scores = runner.verify(drafts.trees, [s.row for s in batch], [s.rule.greedy for s in batch])
+        scores = runner.verify(drafts.trees, [s.row for s in batch], [s.rule.argmax for s in batch])
         self._synchronize()
         verify_seconds = time.perf_counter() - started
         expected = accepted = 0

@@ -159,31 +159,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def verify(
-        self, trees: Sequence[DraftTree], rows: Sequence[int], greedy: Sequence[bool] | None = None
+        self, trees: Sequence[DraftTree], rows: Sequence[int], argmax: Sequence[bool] | None = None
     ) -> list[torch.Tensor]:
         """One forward over one tree per cache row (``rows`` ascending, ``trees[i]`` in ``rows[i]``);
-        returns each tree's logits ``[nodes, vocab]``, or where ``greedy[i]``, the model's argmax token
+        returns each tree's logits ``[nodes, vocab]``, or where ``argmax[i]``, the model's argmax token
         at each node (``[nodes]``, long): all greedy decoding needs, and cheaper to find
         (:mod:`reader_spec.engine.greedy_head`).
 
         Everything is written past each row's committed length; the caller then commits the
         accepted nodes with ``cache.commit_rows``.
         """
-        greedy = list(greedy) if greedy is not None else [False] * len(trees)
+        argmax = list(argmax) if argmax is not None else [False] * len(trees)
         if len(trees) > 1 and not self.packed:
             return [
                 self._verify([tree], [row], [flag])[0]
-                for tree, row, flag in zip(trees, rows, greedy, strict=True)
+                for tree, row, flag in zip(trees, rows, argmax, strict=True)
             ]
-        return self._verify(trees, list(rows), greedy)
+        return self._verify(trees, list(rows), argmax)
 
-    def _verify(self, trees: Sequence[DraftTree], rows: list[int], greedy: list[bool]) -> list[torch.Tensor]:
+    def _verify(self, trees: Sequence[DraftTree], rows: list[int], argmax: list[bool]) -> list[torch.Tensor]:
         lengths = self.cache.lengths_of(rows).tolist()
         tokens = [tree.tokens for tree in trees]
         flat = [length + depth for length, tree in zip(lengths, trees, strict=True) for depth in tree.depths]
         positions = longs(flat)
         masks = [t.ancestor_mask() for t in trees]
-        return self.extend(rows, tokens, positions, masks, greedy=greedy, trees=trees)
+        return self.extend(rows, tokens, positions, masks, argmax=argmax, trees=trees)
 
     @torch.inference_mode()
     def extend(
@@ -193,12 +193,12 @@ class ModelRunner:
         positions: torch.Tensor | Sequence[torch.Tensor],
         local_masks: Sequence[torch.Tensor],
         last_only: bool = False,
-        greedy: Sequence[bool] | None = None,
+        argmax: Sequence[bool] | None = None,
         trees: Sequence[DraftTree] | None = None,
     ) -> list[torch.Tensor]:
         """One packed pass of new tokens per cache row (``rows`` ascending), written past each row's
         committed length; returns each row's logits (its last token's only with ``last_only``), or
-        its argmax tokens where ``greedy[i]``. Given the ``trees`` the tokens are, a greedy row's
+        its argmax tokens where ``argmax[i]``. Given the ``trees`` the tokens are, an argmax row's
         token below a rejected draft may be left ``UNNEEDED`` (:class:`GreedyHead`).
 
         ``positions``: each row's position ids, or all rows' back to back. ``local_masks[i]`` is ``[new,
@@ -211,19 +211,19 @@ class ModelRunner:
         flat_positions = positions if isinstance(positions, torch.Tensor) else torch.cat(list(positions))
         states = self._forward(rows, input_ids, flat_positions, local_masks, keep)
         kept = [1] * len(rows) if last_only else widths
-        greedy = list(greedy) if greedy is not None else [False] * len(rows)
-        return self._outputs(states, kept, greedy, None if last_only else trees)
+        argmax = list(argmax) if argmax is not None else [False] * len(rows)
+        return self._outputs(states, kept, argmax, None if last_only else trees)
 
     def _outputs(
-        self, states: torch.Tensor, kept: list[int], greedy: list[bool], trees: Sequence[DraftTree] | None
+        self, states: torch.Tensor, kept: list[int], argmax: list[bool], trees: Sequence[DraftTree] | None
     ) -> list[torch.Tensor]:
-        """Each row's logits, or its argmax tokens where ``greedy``: ``states`` are the fast decoder's
+        """Each row's logits, or its argmax tokens where ``argmax``: ``states`` are the fast decoder's
         final hidden states (its output layer runs here, once for each kind of row) or transformers'
         logits."""
         outputs: dict[int, torch.Tensor] = {}
         parts = None
         for flag in (False, True):
-            chosen = [i for i, wanted in enumerate(greedy) if wanted == flag]
+            chosen = [i for i, wanted in enumerate(argmax) if wanted == flag]
             if not chosen:
                 continue
             if len(chosen) == len(kept):  # rows of one kind, the usual case: no split (each op costs
