@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 from reader_spec.config import SAMPLING_FIELDS
 from reader_spec.files import json_lines
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Message = Mapping[str, str]
 Prompt = str | Sequence[Message] | Sequence[int]
@@ -21,7 +24,7 @@ class PromptError(ValueError):
     """A prompt or input line that cannot be used; the message says which and why."""
 
 
-def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
     """Token ids for text (encoded as is), chat messages (chat template) or token ids (unchanged)."""
     if isinstance(prompt, str):
         if not prompt:
@@ -40,7 +43,7 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     raise PromptError("a prompt list must hold only token ids or only chat messages")
 
 
-def _apply_chat_template(tokenizer, messages: Sequence[Message]) -> list[int]:
+def _apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message]) -> list[int]:
     for i, message in enumerate(messages):
         if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
             raise PromptError(f"message {i} needs string 'role' and 'content' fields")

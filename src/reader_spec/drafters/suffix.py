@@ -152,8 +152,9 @@ class TokenCorpus:
         """The last ``count`` tokens (fewer when the buffer is shorter), sentinels included."""
         return self._buffer[max(self._length - count, 1) : self._length]
 
-    def sequence_tokens(self, start: int = 1) -> np.ndarray:
-        return self._buffer[start : self._length]
+    def sequence_tokens(self) -> np.ndarray:
+        """The tokens after the leading sentinel."""
+        return self._buffer[1 : self._length]
 
     def _reserve(self, extra: int) -> None:
         needed = self._length + extra + 1  # keep a sentinel after the last token

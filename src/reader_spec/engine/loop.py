@@ -41,6 +41,8 @@ from reader_spec.engine.tree import EMPTY_PROPOSAL, DraftTree, Proposal
 from reader_spec.prompts import Prompt, PromptError, encode_prompt
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
     from reader_spec.loading import LoadedModel
 
 DEFAULT_BUDGET = 16
@@ -555,7 +557,7 @@ def _prompt_logprobs_collector(seq: DecodingSequence, top: int) -> Callable[[int
     return collect
 
 
-def model_eos_ids(model, tokenizer) -> tuple[int, ...]:
+def model_eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     """The end-of-sequence ids the engine stops at by default, for other decoders to stop alike."""
     eos = getattr(model.generation_config, "eos_token_id", None)
     if eos is None:

@@ -9,8 +9,12 @@ special tokens included so that an end-of-text token shows as one.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from reader_spec.engine.logprobs import TokenLogprob
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 CONTEXT_TOKENS = 6
 """Tokens decoded before a token to find the text it adds."""
@@ -18,7 +22,7 @@ FLOOR = -9999.0
 """OpenAI's log-probability for a token the model rules out (JSON has no infinity)."""
 
 
-def pieces(tokenizer, before: Sequence[int], tokens: Sequence[int]) -> list[str]:
+def pieces(tokenizer: PreTrainedTokenizerBase, before: Sequence[int], tokens: Sequence[int]) -> list[str]:
     """The text each of ``tokens``, in turn alone, would add after ``before``."""
     context = list(before[-CONTEXT_TOKENS:])
     base = tokenizer.decode(context)
@@ -37,7 +41,7 @@ def _shared(base: str, text: str) -> int:
 class LogprobWriter:
     """One choice's tokens' log-probabilities as response fields, chunk after chunk."""
 
-    def __init__(self, tokenizer, before: Sequence[int]):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, before: Sequence[int]):
         self.tokenizer = tokenizer
         self.text: list[int] = list(before[-CONTEXT_TOKENS:])
         """The last tokens written (or the prompt's, before the first): what the next token follows."""
