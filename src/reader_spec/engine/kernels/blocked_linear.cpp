@@ -36,8 +36,8 @@ using reader_spec::kPanel;
 // timed per matrix shape and row count: weights.py). The requests fill L2 only (prefetcht2): into L1
 // they would hold the few fill buffers that the hardware's own prefetcher streams through. On an
 // Intel Xeon with AVX-512 (a stream of the default model's 120 layer products) 4-16 KB ahead made
-// products of 4-12 rows, one tile, 19-23% faster and of 2 rows 7-9%, 32 KB nothing; products of
-// several tiles, which bring the next block in as they go (NextBlock), gained nothing
+// products of 2-12 rows, one tile, faster, and 32 KB did not; products of several tiles, which bring
+// the next block in as they go (NextBlock), gained nothing
 // (docs/runner.md, "Requests into L2, timed per row count").
 constexpr int64_t kAheadBytes = 8192;
 
@@ -58,9 +58,10 @@ constexpr int kWholeBlockRows = kMaxRows;  // no panel tiles: whole-block tiles 
 #endif
 // Up to this many rows a product is bound by reading its matrix more than by its arithmetic: there
 // whole-block tiles of at most 3 rows, the first reading both panels from memory, beat panel tiles.
-// At 7 rows, panel tiles (then 4 + 3) made passes about 8% cheaper than whole-block tiles (3 + 2 + 2)
-// on a Zen 1 host (docs/runner.md, "Session 68"). Before blocks were stored as panels, a half-block
-// tile read every other cache line, and 7 rows ran 5-11% faster in whole-block tiles on a Zen 3 host.
+// At 7 rows, panel tiles (then 4 + 3) made passes cheaper than whole-block tiles (3 + 2 + 2) on a
+// Zen 1 host (docs/runner.md, "blocks stored as two panels, 7-row panel tiles"). Before blocks were
+// stored as panels, a half-block tile read every other cache line, and 7 rows ran faster in
+// whole-block tiles on a Zen 3 host (docs/runner.md, "Tiles that read a block in order").
 constexpr int kStreamRows = 6;
 #endif
 
@@ -69,9 +70,9 @@ constexpr int kStreamRows = 6;
 // and the others leave memory idle, so a pass of more rows than one tile adds its memory time to its
 // compute time instead of overlapping them. With AVX-512 into L2 only (`prefetcht2`): into L1 as well,
 // the next block's lines (72 KB against a 32 KB L1) evicted those of this block that its other tiles
-// read, and passes of 13 / 14 / 16 tokens took 1.14 / 1.11 / 1.04x as long (a Zen 4 host;
-// docs/runner.md, "Session 48"). AVX2's tiles of a few rows keep requesting into L1, as measured on
-// Zen 3 when they were written.
+// read, and passes of 13-16 tokens took longer (a Zen 4 host; docs/runner.md,
+// "a Zen 4 host; requests ahead per row count on the whole pass"). AVX2's tiles of a few rows keep
+// requesting into L1, as measured on Zen 3 when they were written.
 #ifdef __AVX512F__
 constexpr int kNextBlockLocality = 1;
 #else
@@ -124,13 +125,14 @@ void tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const flo
 // block a line at a time, spread evenly over the block's steps of all tiles. So memory is read at the pace
 // of the arithmetic all the time, not by the first tile of a block alone: the next block requested in
 // bursts while the other tiles multiply from L2 left most requested lines to arrive late (a Zen 3
-// host: a core requests about 14 GB/s when its requests are spread, far less in bursts; the default
-// model's layer products 15-25% faster at 8-16 rows, 9-14% at 20-32; docs/runner.md). Tiles that took
-// turns over chunks of 64 k instead (8 KB, read again from L1) stored and reloaded their sums at every
-// chunk and ran 8-18% slower at 12-32 rows on a Zen 1 host (docs/runner.md, "Session 60"). A thread's
-// last block requests nothing: past it lie another thread's blocks, or the end of the matrix (a block's
-// worth of requests past the end made a product of 7 blocks 3.5x slower on that host). These products
-// make their own requests: the caller's `ahead` does not apply.
+// host: a core keeps far more requests in flight when they are spread than in bursts, and the default
+// model's layer products of 8-32 rows ran faster; docs/runner.md, "The AVX2 host once more"). Tiles
+// that took turns over chunks of 64 k instead (8 KB, read again from L1) stored and reloaded their sums
+// at every chunk and ran slower at 12-32 rows on a Zen 1 host (docs/runner.md,
+// "AVX2 products of 8 rows and more keep their sums in registers"). A thread's last block requests
+// nothing: past it lie another thread's blocks, or the end of the matrix (a block's worth of requests
+// past the end made a product of 7 blocks several times slower on that host, same section). These
+// products make their own requests: the caller's `ahead` does not apply.
 
 // The next block's lines, one requested every (65536 / step) multiply-add steps: line (step x i) / 65536
 // at the block's i-th step, counted over all its tiles and panels.
@@ -145,9 +147,10 @@ constexpr int kRegisterWeightRows = 6;  // the most rows whose panel tile keeps 
 // R rows times one panel (`count` of its 16 columns exist), plus bias: per k two weight vectors,
 // R broadcasts and 2R multiply-adds (12 sums + 2 weights + 1 broadcast of the 16 registers at 6 rows;
 // at 7 rows the 14 sums and the broadcast leave no register for the weights, which the multiply-adds
-// then read from L1 themselves: one 7-row tile made the default model's layer products of 7 rows
-// 11% and of 13-14 rows 2-6% faster than two or three tiles of at most 6 rows on a Zen 1 host,
-// docs/runner.md, "Session 68"). Each column's sum is the same sequence of operations as in `tile`.
+// then read from L1 themselves: one 7-row tile made the default model's layer products of 7 and of
+// 13-14 rows faster than two or three tiles of at most 6 rows on a Zen 1 host; docs/runner.md,
+// "blocks stored as two panels, 7-row panel tiles"). Each column's sum is the same sequence of
+// operations as in `tile`.
 template <int R>
 void panel_tile(const float* x, int64_t ldx, const float* w, int64_t k_size, const float* bias, float* y, int64_t ldy,
                 int64_t count, const LineRequests& requests) {
@@ -163,8 +166,9 @@ void panel_tile(const float* x, int64_t ldx, const float* w, int64_t k_size, con
     std::memcpy(&low, w_k, sizeof(low));
     std::memcpy(&high, w_k + kPart, sizeof(high));
     // Both in registers where they fit: for tiles of up to 4 rows GCC otherwise folds the loads into
-    // the multiply-adds, loading each weight R times, which made 4-row tiles about 1.4x slower from L1
-    // on a Zen 3 host (docs/runner.md, "Session 42"). An empty asm: no instruction, no change in result.
+    // the multiply-adds, loading each weight R times, which made 4-row tiles slower from L1 on a Zen 3
+    // host (docs/runner.md, "weights in registers, the floor in the passes' rounds"). An empty asm: no
+    // instruction, no change in result.
     if constexpr (R <= kRegisterWeightRows) __asm__("" : "+x"(low), "+x"(high));
     for (int r = 0; r < R; ++r) {
       const float value = x[r * ldx + k];
@@ -323,8 +327,8 @@ at::Tensor blocked_linear(const at::Tensor& input, const at::Tensor& weight, con
 
 // Rows of the plain matrix, W[token] (an embedding lookup in an output layer it is tied to): each is
 // a column of its panel, one float per k, 64 bytes apart. One loop over k for all tokens reads them
-// as interleaved strided streams: a pass's lookup of 8 tokens took 100-115 us against 260-310 us
-// through PyTorch's indexing (division, remainder, an indexed gather: docs/runner.md, "Session 46").
+// as interleaved strided streams, faster than PyTorch's indexing (division, remainder, an indexed
+// gather: docs/runner.md, "the host's bookkeeping around a pass and a step, cut further").
 at::Tensor blocked_rows(const at::Tensor& weight, const at::Tensor& tokens) {
   check_panels(weight, "blocked_rows");
   TORCH_CHECK(tokens.device().is_cpu() && tokens.scalar_type() == at::kLong, "blocked_rows: tokens must be CPU longs");

@@ -168,10 +168,10 @@ at::Tensor checked_norm(const at::Tensor& weight, int64_t features, const char* 
 // Threads that already run together (one parallel region for a whole pass) waiting for each other
 // between the steps of a layer: a counter and a generation number in shared memory, spun on. A wait
 // costs a cache line's round trip between the cores; ending a parallel region and starting the next
-// cost about ten times that (an empty region 0.6-0.8 us, a wait 40 ns on an AMD EPYC Zen 4 host, and
-// 150 empty regions added to a pass made it 1-2% slower; docs/runner.md, "Session 51"). As OpenMP's
-// own barriers, a member spins (a few ms, as libgomp by default) before it sleeps: yielding the core
-// instead, while another process ran on it, made passes 3x slower.
+// cost many times that, and empty regions added to a pass made it measurably slower (an AMD EPYC
+// Zen 4 host; docs/runner.md, "a pass of a few rows as one team of threads"). As OpenMP's own
+// barriers, a member spins (a few ms, as libgomp by default) before it sleeps: yielding the core
+// instead, while another process ran on it, made passes several times slower (same section).
 class SpinBarrier {
  public:
   // Called first by every member of a parallel_for over [0, total) with its chunk [first, last): the
@@ -201,7 +201,7 @@ class SpinBarrier {
   }
 
  private:
-  static constexpr int kSpins = 1 << 18;  // pauses: about 6 ms on the Zen 4 host (25 ns each)
+  static constexpr int kSpins = 1 << 18;  // pauses: a few ms on a Zen 4 host, as libgomp spins
 
   // Returns once `word` is no longer `value`.
   void until(std::atomic<int32_t>& word, int32_t value) {
@@ -244,7 +244,8 @@ class SpinBarrier {
 };
 
 // The CPUs this process may run on: a team of more threads than that would wait at every step for
-// members that are not running (a pass at 4 threads on 2 CPUs: 19 -> 740 ms).
+// members that are not running (a pass at 4 threads on 2 CPUs took many times as long: docs/runner.md,
+// "a pass of a few rows as one team of threads").
 int64_t usable_cpus() {
   static const int64_t cpus = [] {
 #ifdef __linux__
@@ -274,7 +275,8 @@ struct Member {
 // thread: each member adds a layer's output to its own copy and norms its own rows, then multiplies
 // its share of the next product. With one stream, one thread normed it (reading the other threads'
 // parts of the output from their cores), and then each other thread read the normed rows from that
-// thread's core: two transfers between cores one after the other, at every norm (session 50).
+// thread's core: two transfers between cores one after the other, at every norm (docs/runner.md,
+// "a residual stream per thread").
 struct TeamBuffers {
   std::vector<float*> streams, normed;  // per thread
   float *projected, *queries, *attended, *out, *gated, *activated;
@@ -472,8 +474,8 @@ struct DecoderLayer : torch::CustomClassHolder {
 };
 
 // Every layer of a model in one call: between two layers nothing but the layers runs, where a Python
-// loop over the layers cost ~25 us a layer in the interpreter and the bindings (measured 2026-11-26 on
-// the AMD EPYC host, about 0.75 ms of a 10 ms one-token draft pass).
+// loop over the layers cost a visible share of a one-token draft pass in the interpreter and the
+// bindings (an AMD EPYC host; docs/runner.md, "A pass's bookkeeping and the layer loop").
 struct DecoderStack : torch::CustomClassHolder {
   std::vector<c10::intrusive_ptr<DecoderLayer>> layers;
   std::vector<int64_t> kinds;  // each layer's attention kind: which of cos, sin and visible it takes

@@ -298,7 +298,8 @@ at::Tensor grouped_linear(const at::Tensor& input, const at::Tensor& weight, con
 // Rows W[token] of the plain matrix, dequantized (an embedding lookup in an output layer it is tied
 // to): q * d + m per weight, as PackedLinear's PyTorch path computes it (q * d is exact, so the
 // result does not depend on whether the compiler fuses the two), in one loop instead of a dozen
-// indexing ops (about 0.3 ms of a one-token draft pass on a Zen 1 host).
+// indexing ops (a visible share of a one-token draft pass on a Zen 1 host; docs/runner.md,
+// "the self-draft's passes; what this host's integer units cannot give").
 at::Tensor dequantized_rows(const at::Tensor& weight, const at::Tensor& scales, const at::Tensor& tokens,
                             int64_t in_features) {
   const int64_t bits = checked_layout("grouped_rows", weight, scales, in_features);

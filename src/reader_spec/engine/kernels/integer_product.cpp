@@ -70,7 +70,8 @@ std::vector<IntegerRow> quantize_rows(const float* x, int64_t rows, int64_t k_si
   q.assign(rows * kLevels * groups, 0);
   const float limit = static_cast<float>(largest_level(k_size));
   // A product alone in one level (AVX2): no remainder to carry, no bound; the same integers as below
-  // at a third of the work (it ran on one thread before each product: 9% of a one-token draft pass).
+  // at a third of the work (it ran on one thread before each product, a visible share of a one-token
+  // draft pass: docs/model-drafter.md, "a cheaper draft level").
   if constexpr (kLevels == 1) {
     if (!bounds) {
       for (int64_t r = 0; r < rows; ++r) {
@@ -158,7 +159,8 @@ void integer_tile(const Group* q, int64_t groups, const uint8_t* w, const Intege
 #elif defined(__AVX2__)
   if constexpr (R == 1) {
     // One row (a draft model's chain): the whole block in one sweep, 8 accumulators, so each weight
-    // byte is read once; two sweeps of half a block took 1.18x as long (docs/model-drafter.md).
+    // byte is read once; two sweeps of half a block took longer (docs/model-drafter.md,
+    // "a cheaper draft level").
     __m256i acc[8];
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_si256();
     for (int64_t g = 0; g < groups; ++g) {

@@ -19,8 +19,9 @@
 namespace reader_spec {
 
 // Sixteen lanes of 32 bits: one AVX-512 register, in GCC's portable vector types. Without AVX-512
-// GCC keeps a 64-byte vector type in memory and expands every operation on it piece by piece (about
-// 10x slower on an AVX2 CPU), so there the same sixteen lanes are a struct of native vectors (two of
+// GCC keeps a 64-byte vector type in memory and expands every operation on it piece by piece (far
+// slower on an AVX2 CPU: docs/runner.md, "An AVX2 host: the kernels' vectors back in registers"), so
+// there the same sixteen lanes are a struct of native vectors (two of
 // 32 bytes with AVX, four of 16 bytes elsewhere) whose operators act part by part. Either way each
 // lane sees the same operations in the same order: a kernel's results do not depend on the ISA.
 constexpr int kLanes = 16;
@@ -273,8 +274,9 @@ std::vector<IntegerRow> integer_product(const float* x, int64_t rows, const uint
 
 // A row of x in integers of at most `limit` in magnitude (below 2^22) at one scale, the largest |x| /
 // limit: q[k] = clamp(nearbyint(x[k] / scale), -limit, limit), rounded to nearest with ties to even,
-// sixteen lanes at a time (the integer products round their inputs before every product: one lane at
-// a time, through std::nearbyint, a 1,536-feature row took 4.8 us on a Zen 1 host, on one thread).
+// sixteen lanes at a time (the integer products round their inputs before every product, on one
+// thread: one lane at a time, through std::nearbyint, that was a visible cost on a Zen 1 host;
+// docs/runner.md, "the self-draft's passes; what this host's integer units cannot give").
 // Returns false, writing nothing, where x holds inf or NaN; a row of zeros gets scale 0 and no integers.
 inline bool round_row(const float* x, int64_t k_size, float limit, int16_t* q, float& scale) {
   const float most = std::numeric_limits<float>::max();
@@ -376,8 +378,8 @@ at::Tensor rows_product(const char* op, const at::Tensor& input, const c10::opti
 
 // Features (of all rows) per thread below which a row-wise op runs on the calling thread alone: a pass
 // of a few tokens would wait longer for the other threads than its rows take. Waking the other
-// thread costs a few microseconds, the gated activation of one 1,536-feature row about five
-// (docs/runner.md, "A prompt on both threads"; session 39).
+// thread costs about as long as the gated activation of one 1,536-feature row (docs/runner.md,
+// "A prompt on both threads" and "The AVX2 host once more").
 constexpr int64_t kFeaturesPerThread = 8192;
 
 // fn(r) for every row r in [0, rows) of `features` features each, split between threads where there
@@ -442,7 +444,8 @@ struct RunKeys {
 };
 
 // A pass's runs and their keys, worked out once for every layer that attends as `visibility` says
-// (where each layer worked them out again, that took 7% of attention's time at 7 tokens).
+// (where each layer worked them out again, that was a visible share of attention's time at a few
+// tokens; docs/runner.md, "attention planned once per pass").
 struct AttentionPlan {
   Visibility visibility;
   int64_t tokens;

@@ -2,14 +2,16 @@
 //
 // Every matrix product of a pass streams megabytes of weights through the caches, so the PyTorch
 // operator that runs next finds its code and metadata evicted: on the development CPU a one-row
-// RMSNorm took 50 us after a product against 9 us alone, a view 4.6 us against 0.7. At a few rows a
-// pass is mostly that: norms, the gated activation, rotary embedding and cache writes cost more than
-// the attention. Each op below replaces a chain of PyTorch operators by one call that touches little
+// RMSNorm or a view took several times as long after a product as alone (docs/runner.md,
+// "The operators between the products"). At a few rows a pass is mostly that: norms, the gated
+// activation, rotary embedding and cache writes cost more than the attention. Each op below
+// replaces a chain of PyTorch operators by one call that touches little
 // code. Rows are processed one at a time by the same code whatever their number, so a token's result
 // does not depend on what else is in the pass (the lossless checks compare passes of any width).
 //
-// Attention is here too: PyTorch's CPU kernel costs about 40 us a call at one query token, for work
-// of a few microseconds, and its result for a query may depend on the other queries of the call.
+// Attention is here too: PyTorch's CPU kernel costs many times its arithmetic at one query token
+// (docs/runner.md, "Whole layers in one call, and a compiled attention"), and its result for a query
+// may depend on the other queries of the call.
 // `attend` computes each (token, head) alone: scores over the token's visible keys in cache order,
 // softmax, then the values' weighted sum in the same order, each a fixed sequence of operations. A
 // tree's token sees its context and its ancestors, which are the keys the same token sees in plain
@@ -174,11 +176,12 @@ struct AttentionScratch {
 // which a batch's pass reads from memory (its rows are megabytes), and the hardware's stream
 // prefetcher restarts at every 4 KB page (16 keys of 64 dims). With AVX-512 (measured on an AMD EPYC
 // Zen 4 host) every line of every key is requested kKeysAhead keys ahead, the first kKeysAhead of a
-// head before its scores, and keys and values into L2 only: decode passes of 32 sequences took 0.93x
-// as long, of 8 sequences at 512 tokens of context 0.91x, passes of 1-12 tokens of one sequence
-// 0.97-1.00x (docs/runner.md, "Session 49"). AVX2 builds keep what was measured on a Zen 3 host: a
+// head before its scores, and keys and values into L2 only: decode passes of a batch took less time,
+// passes of a few tokens of one sequence about as long (docs/runner.md,
+// "attention's keys requested ahead into L2"). AVX2 builds keep what was measured on a Zen 3 host: a
 // key right after the one before is left to the hardware (requesting every line of a run of
-// consecutive keys made attention 6-14% slower there), the others requested 32 keys ahead into L1.
+// consecutive keys made attention slower there; docs/runner.md, "The AVX2 host, third session"), the
+// others requested 32 keys ahead into L1.
 #ifdef __AVX512F__
 constexpr int64_t kKeysAhead = 64;
 constexpr bool kEveryKey = true;
@@ -206,7 +209,8 @@ inline void prefetch_rows(const float* base, const int32_t* keys_seen, int64_t b
 
 // Vectors of sums a loop keeps in registers: 16 of AVX-512's 32 zmm; on AVX2 a vector is two of the
 // 16 ymm registers, and 4 of them leave room for the operands (more spill the sums to the stack: 16
-// keys' dot products at once took 1.05-1.25x as long over a layer's attention).
+// keys' dot products at once made a layer's attention slower; docs/runner.md,
+// "The AVX2 host, third session").
 #ifdef __AVX512F__
 constexpr int kSumVectors = 16;
 #else
@@ -510,7 +514,8 @@ at::Tensor rotary_store(const at::Tensor& query_key, const at::Tensor& value, co
 // Cache entries moved within their rows, in every cache at once (a pass's accepted drafts next to their
 // context): entry sources[i] of row rows[i] to destinations[i], all read before any is written, as an
 // indexed copy does. One call for the whole model: after a pass has swept the caches, the two indexed
-// copies a layer took 1.2-1.8 ms a step on a 30-layer model (docs/runner.md, "Session 46").
+// copies a layer cost a step far more than their work (docs/runner.md,
+// "the host's bookkeeping around a pass and a step, cut further").
 void move_entries(const std::vector<at::Tensor>& caches, const at::Tensor& rows, const at::Tensor& destinations,
                   const at::Tensor& sources) {
   const int64_t count = rows.numel();
@@ -646,8 +651,8 @@ void rotary_store_token(const float* query_key, const float* value, const float*
     float* out = head >= query_heads ? cache.keys + cache.offset(row, head - query_heads, position)
                                      : query_out + head * dim;
     // Sixteen pairs at a time, each lane as the scalar loop below computes it (GCC fuses x[i] * cos[i]
-    // and x[i + half] * cos[i + half]): 1.6-2.3% of a pass of 4-12 tokens on a Zen 4 host, whose
-    // scalar loop took 2.7 us a token and layer (docs/runner.md, "Session 49").
+    // and x[i + half] * cos[i + half]): the scalar loop alone was a visible share of a pass of a few
+    // tokens on a Zen 4 host (docs/runner.md, "rotary embedding in vectors").
     int64_t i = 0;
     for (; i + kLanes <= half; i += kLanes) {
       const Vec16 low = load(x + i), high = load(x + i + half);
@@ -667,7 +672,8 @@ void rotary_store_token(const float* query_key, const float* value, const float*
 // How many runs a pass of one tree of `tokens` tokens is cut into: at least one per kRunTokens
 // tokens, and more where that many runs times the key/value heads would not split evenly between
 // the threads (a tree of up to 4 tokens as one run: 3 heads shared 2:1 by two threads; the thread with
-// one head then waited 11-18 us a layer on an AMD EPYC Zen 4 host, docs/runner.md). A thread that
+// one head then waited at every layer on an AMD EPYC Zen 4 host; docs/runner.md,
+// "a pass of a few rows as one team of threads"). A thread that
 // takes two runs of one head reads its keys and values from memory once, then from its own caches.
 int64_t runs_of_one_tree(int64_t tokens, int64_t kv_heads, int64_t threads) {
   const int64_t fewest = (tokens + kRunTokens - 1) / kRunTokens;
@@ -736,8 +742,9 @@ AttentionShares share_attention(const AttentionPlan& plan, int64_t kv_heads, int
   // items, and a prompt's later runs see more keys, so in cache order the last of two threads would get
   // three times the first's work in a causal chunk (docs/runner.md). A pass of a few runs takes them
   // head by head (item i: head i / runs), so that a thread reads a head's keys and values once for all
-  // its runs of a row, where run by run each thread read every head's (passes of 5-9 tokens 1-3%
-  // faster on an AMD EPYC Zen 4 host; docs/runner.md); a prompt's chunk, run by run (item i: head i %
+  // its runs of a row, where run by run each thread read every head's (passes of 5-9 tokens slightly
+  // faster on an AMD EPYC Zen 4 host; docs/runner.md, "attention shared by tokens and head by head");
+  // a prompt's chunk, run by run (item i: head i %
   // kv_heads), so that a thread reads one run's keys and masks at a time.
   AttentionShares shares{runs <= kHeadMajorRuns, runs, kv_heads, {}};
   const int64_t items = runs * kv_heads;
@@ -748,7 +755,8 @@ AttentionShares share_attention(const AttentionPlan& plan, int64_t kv_heads, int
   const int64_t used = std::max<int64_t>(1, std::min<int64_t>(threads, (items + grain - 1) / grain));
   // Each thread's share holds about as many tokens as the others': runs differ in length (5 tokens are
   // runs of 4 and 1), and shares of equal item counts gave one thread 12 of the 15 (token, head) pairs
-  // (an AMD EPYC Zen 4 host: attention of 5 tokens 0.84x as long, 13 tokens 0.87x; docs/runner.md).
+  // (an AMD EPYC Zen 4 host: attention of 5 and of 13 tokens took less time; docs/runner.md,
+  // "attention shared by tokens and head by head").
   std::vector<int64_t> tokens_before(items + 1, 0);
   for (int64_t item = 0; item < items; ++item) {
     const int64_t run = shares.run_of(item);
