@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 
 import pytest
 import torch
@@ -72,6 +73,21 @@ def on_cpu():
     checks the same thing on every machine."""
     with torch.device("cpu"):
         yield
+
+
+@pytest.fixture
+def directory_fsyncs(monkeypatch) -> list[int]:
+    """Inode numbers of the directories fsynced during the test (what makes a rename durable)."""
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            synced.append(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    return synced
 
 
 KERNELS_MISSING = "the compiled kernels must build on this machine (make builds them)"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import stat
 from pathlib import Path
 
 import pytest
@@ -99,23 +98,8 @@ def test_damaged_files_raise_the_callers_error_naming_the_line(tmp_path, name, d
     assert where in text
 
 
-def _dir_fsyncs(monkeypatch) -> list[int]:
-    """Inode numbers of the directories fsynced from now on."""
-    synced: list[int] = []
-    real_fsync = os.fsync
-
-    def spy(fd: int) -> None:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            synced.append(info.st_ino)
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", spy)
-    return synced
-
-
-def test_write_atomic_syncs_the_directory_after_the_rename(tmp_path, monkeypatch):
-    synced = _dir_fsyncs(monkeypatch)
+def test_write_atomic_syncs_the_directory_after_the_rename(tmp_path, directory_fsyncs):
+    synced = directory_fsyncs
     path = tmp_path / "sub" / "result.json"
     write_atomic(path, "new")
     assert path.read_text() == "new"
@@ -123,9 +107,9 @@ def test_write_atomic_syncs_the_directory_after_the_rename(tmp_path, monkeypatch
     assert [p.name for p in path.parent.iterdir()] == ["result.json"]
 
 
-def test_write_atomic_without_directory_sync_support(tmp_path, monkeypatch):
+def test_write_atomic_without_directory_sync_support(tmp_path, monkeypatch, directory_fsyncs):
+    synced = directory_fsyncs
     monkeypatch.delattr(os, "O_DIRECTORY", raising=False)
-    synced = _dir_fsyncs(monkeypatch)
     write_atomic(tmp_path / "result.bin", b"\x00\x01")
     assert (tmp_path / "result.bin").read_bytes() == b"\x00\x01" and synced == []
 

@@ -6,7 +6,6 @@ import gzip
 import json
 import os
 import random
-import stat
 import subprocess
 import sys
 import time
@@ -377,17 +376,8 @@ def test_a_kill_between_the_install_renames_loses_nothing(store_dir, monkeypatch
     assert Datastore.open(store_dir, verify=True).meta.tokens == 7
 
 
-def test_install_syncs_the_directories_it_renames_in(store_dir, monkeypatch):
-    synced: list[int] = []
-    real_fsync = os.fsync
-
-    def spy(fd: int) -> None:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            synced.append(info.st_ino)
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", spy)
+def test_install_syncs_the_directories_it_renames_in(store_dir, directory_fsyncs):
+    synced = directory_fsyncs
     build(store_dir, [[8, 8]])
     assert store_dir.stat().st_ino in synced  # the staged directory's entries, before it moves in
     assert store_dir.parent.stat().st_ino in synced  # the rename itself
