@@ -197,9 +197,7 @@ class Engine:
             self.add_request(e, c, request_id): i
             for i, (e, c, request_id) in enumerate(zip(encoded, configs, ids, strict=True))
         }
-        if encoded:  # every row's room at once: growing copies every row of every layer
-            room = max(self._room_for(e, c) for e, c in zip(encoded, configs, strict=True))
-            self._ensure_runner().cache.reserve(room)
+        self._reserve_room(self._ensure_runner(), zip(encoded, configs, strict=True))
         results: dict[int, Output] = {}
         while len(self.scheduler):
             for update in (yield from self._step_in_pieces()):
@@ -242,8 +240,7 @@ class Engine:
         batch prefills for seconds)."""
         runner = self._ensure_runner()
         admitted = self.scheduler.admit()
-        if admitted:  # one growth of the cache for all of them, if any
-            runner.cache.reserve(max(self._room_for(a.request.tokens, a.request.config) for a in admitted))
+        self._reserve_room(runner, ((a.request.tokens, a.request.config) for a in admitted))
         for admission in admitted:
             self.scheduler.start(self._admit(runner, admission))
             yield
@@ -292,8 +289,7 @@ class Engine:
         self.scheduler.grow(batch_size)
         config = config or GenerationConfig()
         runner = self._ensure_runner()
-        if prompts:
-            runner.cache.reserve(max(self._room_for(self.encode(p), config) for p in prompts))
+        self._reserve_room(runner, ((self.encode(p), config) for p in prompts))
         runner.allocate_cache()
 
     def forget_prefixes(self) -> None:
@@ -489,6 +485,15 @@ class Engine:
     def _room_for(self, tokens: list[int], config: GenerationConfig) -> int:
         """Cache positions a request may fill: its prompt, its new tokens and a step's tree."""
         return len(tokens) + self._stop_criteria(config, len(tokens)).max_new_tokens + self.budget + 2
+
+    def _reserve_room(
+        self, runner: ModelRunner, requests: Iterable[tuple[list[int], GenerationConfig]]
+    ) -> None:
+        """Room for all these requests in one growth of the cache, if any: growing copies every row of
+        every layer."""
+        rooms = [self._room_for(tokens, config) for tokens, config in requests]
+        if rooms:
+            runner.cache.reserve(max(rooms))
 
     def _stop_criteria(self, config: GenerationConfig, prompt_length: int) -> StopCriteria:
         eos = config.eos_token_ids
