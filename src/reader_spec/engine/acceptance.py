@@ -3,7 +3,7 @@
 Every rule has the same shape: at a tree node, pick the token the target model emits there; if a
 child carries it, descend; otherwise stop and emit the picked token as the bonus. The rule only
 decides how a token is picked at a node, so greedy decoding and sampling share the loop. A greedy
-rule is given the model's argmax tokens instead of logits (``greedy``): the runner finds them
+rule is given the model's argmax tokens instead of logits (``argmax``): the runner finds them
 without the whole output layer.
 Because drafters propose deterministic tokens, this walk is exact for any tree: the emitted tokens
 are the ones plain decoding would pick.

@@ -95,7 +95,7 @@ class FastDecoder:
     """Packs ``model``'s weights in place (its own forward keeps working) and runs packed passes.
 
     ``weights``: the storage format of every packed matrix (``WEIGHT_FORMATS`` of
-    :mod:`reader_spec.engine.weights`; ``int8`` for a draft model). ``model`` may have been packed
+    :mod:`reader_spec.engine.weights`; ``int4`` for the self-draft). ``model`` may have been packed
     before (a copy of a packed model, packed again in another format).
     """
 
