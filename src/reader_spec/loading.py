@@ -149,8 +149,12 @@ def _resolve(model: str | os.PathLike | None, cache_dir: Path | None) -> tuple[P
     return None, name  # a hub id: transformers resolves it (from its local cache when offline)
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of the vocabulary and special tokens: equal for tokenizers that encode alike."""
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A hash of the vocabulary and special tokens: equal for tokenizers whose ids mean the same
+    strings, which is what makes stored token ids (a datastore, a draft model's tokens) mean the same
+    text. Merges and normalizers are left out on purpose: they change which ids a text is split into,
+    not what an id means, and the same model's tokenizer read from a GGUF file or from the hub may
+    store them differently."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     specials = sorted(map(str, tokenizer.all_special_tokens))
     payload = json.dumps([vocab, specials], ensure_ascii=False).encode()
