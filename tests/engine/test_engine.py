@@ -19,9 +19,9 @@ from reader_spec.drafters import FusedDrafter, ModelDrafter, ReaderDrafter
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.engine.attention import pack
 from reader_spec.engine.decoder import FastDecoder
+from reader_spec.engine.kernel_choice import ROW_BUCKETS
 from reader_spec.engine.loop import Engine
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal, chain_proposal
-from reader_spec.engine.weights import ROW_BUCKETS
 from tests.conftest import make_tiny_llama
 
 FLAT_COSTS = CostModel(measure=lambda batch, drafted, context: dict.fromkeys(drafted, 1.0))
@@ -765,12 +765,12 @@ def test_int8_weights_serve_both_runners_and_speculation_stays_exact(tiny, promp
 def _fresh_kernel_choices(monkeypatch, loaded):
     """A new model like ``loaded``'s that has made no kernel choice (the session's tiny model may have
     made them all in earlier tests), and every timing of one recorded."""
-    from reader_spec.engine import decoder, greedy_head, weights
+    from reader_spec.engine import decoder, greedy_head, kernel_choice
 
-    monkeypatch.setattr(weights, "_CHOICES", {})
+    monkeypatch.setattr(kernel_choice, "_CHOICES", {})
     monkeypatch.setattr(decoder, "_ATTENTION_CHOICES", {})
     timed = []
-    for module, name in ((weights, "best_times"), (decoder, "best_times"), (greedy_head, "best_times")):
+    for module, name in ((kernel_choice, "best_times"), (decoder, "best_times"), (greedy_head, "best_times")):
         original = getattr(module, name)
 
         def record(*args, original=original, **kwargs):

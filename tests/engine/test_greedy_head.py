@@ -7,8 +7,9 @@ import torch
 
 from reader_spec.engine import kernels
 from reader_spec.engine.greedy_head import UNBOUNDED, UNNEEDED, GreedyHead, tree_rows
+from reader_spec.engine.kernel_choice import ROW_BUCKETS
 from reader_spec.engine.tree import DraftTree
-from reader_spec.engine.weights import ROW_BUCKETS, pack_linears
+from reader_spec.engine.weights import pack_linears
 from tests.conftest import KERNELS_MISSING
 
 

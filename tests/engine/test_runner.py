@@ -405,12 +405,13 @@ def test_whole_compiled_layers_compute_the_bits_of_the_layer_by_layer_path(
     products requesting their weights ahead or not."""
     import numpy as np
 
+    from reader_spec.engine import kernel_choice
     from reader_spec.engine import weights as weights_module
     from reader_spec.engine.runner import pack_weights
 
-    Kernel = weights_module.Kernel
+    Kernel = kernel_choice.Kernel
     forced = Kernel.READING_AHEAD if kernel == "reading ahead" else Kernel.COMPILED
-    monkeypatch.setattr(weights_module, "_fastest_kernel", lambda matrices, rows, same_pass: forced)
+    monkeypatch.setattr(weights_module, "fastest_kernel", lambda matrices, rows, same_pass: forced)
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
@@ -470,10 +471,11 @@ def test_a_team_of_threads_computes_the_bits_of_one_thread(family, weights, on_c
     per group (a self-draft's: each member rounds the rows itself)."""
     import numpy as np
 
+    from reader_spec.engine import kernel_choice
     from reader_spec.engine import weights as weights_module
 
-    compiled = weights_module.Kernel.COMPILED
-    monkeypatch.setattr(weights_module, "_fastest_kernel", lambda matrices, rows, same_pass: compiled)
+    compiled = kernel_choice.Kernel.COMPILED
+    monkeypatch.setattr(weights_module, "fastest_kernel", lambda matrices, rows, same_pass: compiled)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
     if weights == "int4":

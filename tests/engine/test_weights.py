@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import reader_spec.engine.weights as weights
-from reader_spec.engine import kernels
+from reader_spec.engine import kernel_choice, kernels
 from reader_spec.engine.layouts import int4_fits, to_blocks
 from reader_spec.engine.weights import PackedLinear, pack_linears
 from tests.conftest import KERNELS_MISSING
@@ -21,9 +21,9 @@ def linear(out_features: int, in_features: int, bias: bool, seed: int) -> nn.Lin
 
 
 KERNELS = {
-    "compiled": weights.Kernel.COMPILED,
-    "reading ahead": weights.Kernel.READING_AHEAD,
-    "batched matmul": weights.Kernel.BATCHED,
+    "compiled": kernel_choice.Kernel.COMPILED,
+    "reading ahead": kernel_choice.Kernel.READING_AHEAD,
+    "batched matmul": kernel_choice.Kernel.BATCHED,
 }
 
 
@@ -33,7 +33,7 @@ def kernel(request, monkeypatch):
     ``compiled`` stands for both compiled ones where only the arithmetic matters."""
     if request.param != "batched matmul" and not kernels.available():
         pytest.fail(KERNELS_MISSING)
-    monkeypatch.setattr(weights, "_fastest_kernel", lambda weights, rows, same_pass: KERNELS[request.param])
+    monkeypatch.setattr(weights, "fastest_kernel", lambda weights, rows, same_pass: KERNELS[request.param])
     return "batched matmul" if request.param == "batched matmul" else "compiled"
 
 
@@ -137,7 +137,7 @@ def test_without_a_compiler_the_runner_says_so_and_uses_pytorch(monkeypatch, cap
         with caplog.at_level("WARNING", logger="reader_spec"):
             assert not kernels.available()
         assert "could not be built (no C++ compiler)" in caplog.text
-        monkeypatch.setattr(weights, "_CHOICES", {})
+        monkeypatch.setattr(kernel_choice, "_CHOICES", {})
         module = linear(64, 40, bias=True, seed=5)
         reference = module.weight.clone(), module.bias.clone()
         packed, _ = pack_linears([module])
@@ -580,14 +580,14 @@ def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_
         calls.append((calls_to_time, rounds))
         return next(times)
 
-    monkeypatch.setattr(weights, "_CHOICES", {})
-    monkeypatch.setattr(weights, "best_times", timed)
-    monkeypatch.setattr(weights, "_reads_ahead", lambda same_pass, rows: rows == 8)
+    monkeypatch.setattr(kernel_choice, "_CHOICES", {})
+    monkeypatch.setattr(kernel_choice, "best_times", timed)
+    monkeypatch.setattr(kernel_choice, "_reads_ahead", lambda same_pass, rows: rows == 8)
     seen = []
     monkeypatch.setattr(
         torch.ops.reader_spec, "blocked_linear", lambda x, w, **kwargs: seen.append((w, kwargs["ahead"]))
     )
-    Kernel = weights.Kernel
+    Kernel = kernel_choice.Kernel
     assert packed[0].kernel_at(1) == Kernel.COMPILED and packed[1].kernel_at(8) == Kernel.READING_AHEAD
     assert packed[2].kernel_at(16) == Kernel.BATCHED and packed[0].kernel_at(64) == Kernel.BATCHED
     assert len(calls) == 4 and packed[1].kernel_at(50) == Kernel.BATCHED  # each bucket timed once, when first
@@ -606,7 +606,7 @@ def test_kernels_are_timed_on_every_matrix_of_a_shape_and_the_compiled_one_wins_
     assert len(calls[-1][0]) == 2  # the compiled kernel without requests and the batched matmul
     calls[-1][0][0]()
     assert seen == [(packed[0].weight, False)] and calls[-1][1] < 5
-    beyond = weights.ROW_BUCKETS[-1] + 1
+    beyond = kernel_choice.ROW_BUCKETS[-1] + 1
     assert packed[0].kernel_at(beyond) == Kernel.BATCHED and len(calls) == 6  # beyond: batched
 
 
@@ -620,7 +620,7 @@ def test_requests_ahead_are_timed_at_each_row_count_on_every_matrix_of_a_pass(mo
     quantized = pack_linears([linear(64, 40, bias=False, seed=4)], weights="int8")[0]
     weights.time_together([first, quantized, wide, last])
     assert first.same_pass == [first.weight, wide.weight, last.weight] == last.same_pass
-    assert weights.AHEAD_TIMED_ROWS >= 5
+    assert kernel_choice.AHEAD_TIMED_ROWS >= 5
     rounds, timing_rows = [], []
     answers = {3: [1.0, 0.9], 4: [1.0, 1.0], 5: [0.9, 1.0]}  # (without, with) requests
 
@@ -633,14 +633,14 @@ def test_requests_ahead_are_timed_at_each_row_count_on_every_matrix_of_a_pass(mo
     def product(x, w, bias, out_features, ahead):
         seen.append((w, tuple(x.shape), out_features, ahead))
 
-    monkeypatch.setattr(weights, "_READS_AHEAD", {})
-    monkeypatch.setattr(weights, "best_times", timed)
+    monkeypatch.setattr(kernel_choice, "_READS_AHEAD", {})
+    monkeypatch.setattr(kernel_choice, "best_times", timed)
     monkeypatch.setattr(torch.ops.reader_spec, "blocked_linear", product)
     for rows in (3, 4, 5):
         timing_rows.append(rows)
-        assert weights._reads_ahead(first.same_pass, rows) == (rows == 3)
+        assert kernel_choice._reads_ahead(first.same_pass, rows) == (rows == 3)
     assert len(rounds) == 3
-    assert weights._reads_ahead(last.same_pass, 3) and len(rounds) == 3  # the same pass: timed once
+    assert kernel_choice._reads_ahead(last.same_pass, 3) and len(rounds) == 3  # the same pass: timed once
     without, ahead = rounds[0]
     without()  # one round reads every float32 matrix in turn, each with rows of its own width
     assert seen == [

@@ -28,8 +28,8 @@ from reader_spec.drafters import DRAFTERS, Drafter, DrafterSpec
 from reader_spec.drafters.pld import DEFAULT_NUM_TOKENS
 from reader_spec.drafters.retrieval.datastore import Datastore
 from reader_spec.engine.decoder import supports
+from reader_spec.engine.kernel_choice import ROW_BUCKETS
 from reader_spec.engine.loop import DEFAULT_BUDGET, Engine, model_eos_ids, run_to_end
-from reader_spec.engine.weights import ROW_BUCKETS
 from reader_spec.loading import LoadedModel
 
 OnFinish = Callable[[], None]

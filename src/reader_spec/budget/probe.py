@@ -17,11 +17,12 @@ import torch
 from transformers import PreTrainedModel
 
 from reader_spec.engine import kernels
+from reader_spec.engine.kernel_choice import ROW_BUCKETS
 from reader_spec.engine.layouts import BLOCK, PANEL, to_blocks
 from reader_spec.engine.runner import ModelRunner, max_context_of, synchronizer, text_config
 from reader_spec.engine.timing import best_times
 from reader_spec.engine.tree import DraftTree
-from reader_spec.engine.weights import ROW_BUCKETS, PackedLinear
+from reader_spec.engine.weights import PackedLinear
 
 Key = TypeVar("Key", bound=Hashable)
 

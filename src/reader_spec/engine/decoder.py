@@ -35,6 +35,7 @@ from reader_spec.engine import kernels
 from reader_spec.engine.attention import PackedLayout, additive, in_place_sdpa, model_eager_attention, packed
 from reader_spec.engine.greedy_head import GreedyHead, tree_rows
 from reader_spec.engine.host import longs
+from reader_spec.engine.kernel_choice import ROW_BUCKETS, kernel_rows, row_bucket
 from reader_spec.engine.kv_cache import RaggedKVCache, RaggedLayer
 from reader_spec.engine.layers import (
     PackedLayer,
@@ -48,15 +49,7 @@ from reader_spec.engine.memory import PageArena
 from reader_spec.engine.rotary import RotaryTables, Rotation
 from reader_spec.engine.timing import best_times
 from reader_spec.engine.tree import DraftTree
-from reader_spec.engine.weights import (
-    ROW_BUCKETS,
-    PackedLinear,
-    kernel_rows,
-    pack_linears,
-    packed_bytes,
-    row_bucket,
-    time_together,
-)
+from reader_spec.engine.weights import PackedLinear, pack_linears, packed_bytes, time_together
 
 FAST_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 """``model_type`` values the fast decoder runs; the rest use transformers' forward."""
@@ -277,7 +270,7 @@ class FastDecoder:
     def choose_kernels(self, max_rows: int) -> None:
         """Make the kernel choices timed per row count or bucket (each matrix shape's product, the
         greedy head, the attention beyond whole layers) now, for passes of up to ``max_rows`` tokens
-        (:func:`~reader_spec.engine.weights.kernel_rows`). Each is timed
+        (:func:`~reader_spec.engine.kernel_choice.kernel_rows`). Each is timed
         when a pass first needs it, which in a running engine would add its timing to that step
         (docs/model-drafter.md, "the bench's drafters on the target's cache"): a warm-up calls this, so
         that no timed step pays for it, nor the first method of a benchmark for those after it."""

@@ -36,11 +36,12 @@ import torch
 
 from reader_spec.engine import kernels
 from reader_spec.engine.host import longs
+from reader_spec.engine.kernel_choice import row_bucket
 from reader_spec.engine.layouts import BLOCK, INT8_GROUP, PANEL, quantize_int8, to_groups
 from reader_spec.engine.memory import PageArena
 from reader_spec.engine.timing import best_times
 from reader_spec.engine.tree import DraftTree
-from reader_spec.engine.weights import PackedLinear, row_bucket
+from reader_spec.engine.weights import PackedLinear
 
 KEPT_PRIOR = 0.5
 """The share of draft rows the head is taken to compute to the end before it has run on any trees
