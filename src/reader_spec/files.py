@@ -1,4 +1,5 @@
-"""File helpers every part shares: the cache directory, atomic writes, JSONL lines, content hashes."""
+"""File helpers every part shares: the cache directory, atomic writes of files and directories, JSONL
+lines, content hashes."""
 
 from __future__ import annotations
 
@@ -6,13 +7,18 @@ import errno
 import gzip
 import hashlib
 import json
+import logging
 import os
+import re
+import shutil
 import tempfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 HASH_BLOCK = 1 << 20
+
+log = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
@@ -108,3 +114,86 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(HASH_BLOCK), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+# --- directories built beside their destination and moved in whole ---------------------------------
+def staging_directory(output: Path) -> Path:
+    """A hidden directory beside ``output`` to build it in (same file system: the move is a rename),
+    named for ``output`` and this process so that a later build can tell it was left by a kill."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=output.parent, prefix=_sibling_prefix(output, "building")))
+
+
+def install_directory(staging: Path, output: Path) -> None:
+    """Move a finished directory into place; an existing ``output`` is removed only after the swap.
+
+    POSIX cannot swap two directories atomically, so an existing one is renamed aside, then the new
+    one in: between the two renames (two system calls) ``output`` is missing. A failure of the second
+    rename puts the old one back at once; a kill between them leaves it in the ``.old-`` sibling,
+    which the next build of ``output`` moves back before anything else (:func:`sweep_stale_builds`).
+    """
+    if not output.exists():
+        os.replace(staging, output)
+        fsync_directory(output.parent)
+        return
+    old = Path(tempfile.mkdtemp(dir=output.parent, prefix=_sibling_prefix(output, "old")))
+    os.replace(output, old)  # an empty directory is replaced by a rename
+    try:
+        os.replace(staging, output)
+    except BaseException:
+        os.replace(old, output)
+        raise
+    fsync_directory(output.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def sweep_stale_builds(output: Path, started_at: float, restorable: Callable[[Path], bool]) -> None:
+    """Remove the ``.building-`` and ``.old-`` siblings that killed builds of ``output`` left.
+
+    A sibling is stale when the process named in it no longer runs: a build that is still running
+    keeps its own, and a pid reused since then only delays the removal. A sibling without a pid (from
+    versions that did not record it) is stale when it is older than this build (``started_at``, a
+    ``time.time()``). POSIX only: elsewhere no process can be asked whether it runs, and nothing is
+    removed. Two machines building one output on a shared file system at the same time are not
+    supported (each sees the other's pid as gone). If ``output`` is missing and a stale ``.old-``
+    sibling is ``restorable`` (complete), a kill hit :func:`install_directory` between its renames:
+    that sibling is moved back to ``output`` instead of being removed.
+    """
+    if os.name != "posix" or not output.parent.is_dir():
+        return
+    pattern = re.compile(rf"\.{re.escape(output.name)}\.(building|old)-(?:(\d+)-)?\w+")
+    stale: list[tuple[str, Path]] = []
+    for sibling in output.parent.iterdir():
+        found = pattern.fullmatch(sibling.name)
+        if not found or not sibling.is_dir() or sibling.is_symlink():
+            continue
+        pid = found.group(2)
+        live = _running(int(pid)) if pid else sibling.stat().st_mtime >= started_at
+        if not live:
+            stale.append((found.group(1), sibling))
+    previous = [s for kind, s in stale if kind == "old" and restorable(s)]
+    if previous and not output.exists() and not output.is_symlink():
+        kept = max(previous, key=lambda s: s.stat().st_mtime)
+        log.warning("restoring %s, which a killed build had moved aside", output)
+        os.replace(kept, output)
+        fsync_directory(output.parent)
+        stale.remove(("old", kept))
+    for _, sibling in stale:
+        log.info("removing %s, left by a killed build", sibling)
+        shutil.rmtree(sibling, ignore_errors=True)
+
+
+def _sibling_prefix(output: Path, kind: str) -> str:
+    """Hidden working directories beside ``output`` name their kind and the process that owns them."""
+    return f".{output.name}.{kind}-{os.getpid()}-"
+
+
+def _running(pid: int) -> bool:
+    """Whether a process with this id runs on this machine (signal 0 only checks)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True

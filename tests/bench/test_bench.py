@@ -527,13 +527,7 @@ def test_engine_methods_pack_a_copy_and_ar_transformers_runs_the_model_as_loaded
     assert all(p.identical for p in report.prompts)
 
 
-def test_results_name_the_processor_by_family_and_model(tmp_path):
-    cpuinfo = tmp_path / "cpuinfo"
-    processor = "vendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 1\nmodel name\t: AMD EPYC\n"
-    cpuinfo.write_text(processor * 2)  # one block per logical CPU
-    assert bench._cpu_id(cpuinfo) == "family 23 model 1"
-    cpuinfo.write_text("processor\t: 0\nBogoMIPS\t: 50.00\n")  # no family on this architecture
-    assert bench._cpu_id(cpuinfo) == ""
+def test_results_name_the_processor_by_family_and_model():
     environment = {"cpu": "AMD EPYC", "cpu_id": "family 23 model 1", "cpu_capability": "AVX2", "threads": 2}
     assert "AMD EPYC (family 23 model 1, AVX2), 2 threads" in markdown(environment, {}, [], [])
     environment |= {"cpu_id": "", "cpu_capability": None}  # results written before either was recorded

@@ -236,7 +236,7 @@ def test_drafts_whose_estimates_run_high_stop_being_verified(tiny, prompts, plai
     def drafted(engine):
         outputs = engine.generate(prompts[:3], NO_EOS)
         assert [o.tokens for o in outputs] == [o.tokens for o in plain_outputs[:3]]
-        return sum(o.stats.drafted for o in outputs), engine.realized.factor
+        return sum(o.stats.drafted for o in outputs), engine.planner.realized.factor
 
     learning, factor = drafted(Engine(tiny, ScriptedDrafter(references, 1.0), budget=6, costs=linear))
     assert factor < 0.9
@@ -272,7 +272,7 @@ def test_drafting_that_takes_longer_than_its_drafts_save_is_mostly_skipped(tiny,
     calls, steps = proposals_made(1.0)
     assert calls == steps  # drafts worth a tenth of a second each: every step proposes
     calls, steps = proposals_made(1e-9)
-    gate = Engine(tiny).drafting_gate
+    gate = Engine(tiny).planner.gate
     assert gate.min_trials < calls <= gate.min_trials + 1 + steps // gate.explore_every
     calls, steps = proposals_made(1e-9, SelfPricing)  # a drafter that weighs its own cost decides
     assert calls == steps

@@ -6,7 +6,7 @@ import pytest
 
 from reader_spec.config import GenerationConfig
 from reader_spec.engine.scheduler import Request, Scheduler, common_prefix
-from reader_spec.engine.sequence import RequestStats, Sequence
+from reader_spec.engine.sequence import DecodingSequence, RequestStats
 
 
 def request(key: int, tokens: list[int]) -> Request:
@@ -17,7 +17,8 @@ def run_and_finish(scheduler: Scheduler, key: int, tokens: list[int], held: list
     """Admit a request alone, then finish it holding ``held``; returns its row."""
     scheduler.add(request(key, tokens))
     (admission,) = scheduler.admit()
-    seq = Sequence(key, key, admission.row, list(tokens), len(tokens), None, None, RequestStats(), 0.0)
+    row, prompt_length = admission.row, len(tokens)
+    seq = DecodingSequence(key, key, row, list(tokens), prompt_length, None, None, RequestStats(), 0.0)
     scheduler.start(seq)
     scheduler.finish(seq, held)
     return admission.row
@@ -80,7 +81,7 @@ def test_a_request_copies_the_prompt_of_a_running_or_starting_request():
     for admission in (first, second, third):
         key = admission.request.key
         scheduler.start(
-            Sequence(key, key, admission.row, [*prompt, 1, 2], 5, None, None, RequestStats(), 0.0)
+            DecodingSequence(key, key, admission.row, [*prompt, 1, 2], 5, None, None, RequestStats(), 0.0)
         )
     scheduler.add(request(3, [5, 6, 7, 1]))  # its answer's tokens are not the running rows' prompt
     scheduler.add(request(4, [1, 2]))
@@ -102,6 +103,6 @@ def test_nothing_is_held_without_reuse_after_forgetting_or_for_a_cancelled_reque
     scheduler.forget_prefixes()
     scheduler.add(request(1, [1, 2, 3]))
     assert scheduler.admit()[0].reused == 0
-    scheduler.start(Sequence(1, 1, 0, [1, 2, 3], 3, None, None, RequestStats(), 0.0))
+    scheduler.start(DecodingSequence(1, 1, 0, [1, 2, 3], 3, None, None, RequestStats(), 0.0))
     scheduler.cancel(1)
     assert scheduler.held == {} and scheduler.free_rows == [0]

@@ -35,9 +35,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from reader_spec.budget.allocation import allocate
 from reader_spec.budget.costs import CostModel
-from reader_spec.budget.realized import RealizedAcceptance
+from reader_spec.budget.planner import BudgetPlanner
 from reader_spec.drafters import Drafter, feed_back, propose_all
 from reader_spec.engine.sequence import DraftCounts
 from reader_spec.engine.tree import DraftTree, Proposal
@@ -243,27 +242,20 @@ def replay_step(
     root: int,
     recording: Sequence[int],
     max_nodes: int,
-    costs: CostModel | None = None,
     context: int = 0,
-    realized: RealizedAcceptance | None = None,
+    planner: BudgetPlanner | None = None,
 ) -> ReplayedStep:
     """Propose, verify against the recorded continuation (as a greedy pass of the model that produced
     it would), and feed the outcome back: the engine's step with the recording as the target model.
 
-    With ``costs``, the proposal is priced and cut as the engine's adaptive budget does at batch 1 with
-    ``context`` tokens of context, its probabilities scaled by ``realized`` (which the step updates)."""
+    The proposal is sized by ``planner`` as the engine's step sizes it at batch 1 with ``context``
+    tokens of context (default: verified whole up to ``max_nodes``); the planner learns from the step
+    as the engine's does, the recording's passes taking what its cost curve says."""
+    planner = planner or BudgetPlanner(max_nodes)
     clock = time.perf_counter()
-    if costs is None:
-        proposal = drafter.propose(request, max_nodes).truncated(max_nodes)
-    else:  # the engine's _draft at batch 1
-        realized = realized or RealizedAcceptance()
-        seconds = costs.table(1, max_nodes, context)
-        (proposal,) = propose_all(drafter, [request], max_nodes, seconds)
-        kept = allocate([proposal], seconds, max_nodes, realized.factor)[0]
-        proposal = proposal.truncated(kept)
-    step = settle(drafter, request, root, recording, proposal, time.perf_counter() - clock)
-    if costs is not None:
-        realized.record(sum(proposal.probs), step.accepted)
+    plan = planner.plan(1, context, lambda seconds: propose_all(drafter, [request], max_nodes, seconds))
+    step = settle(drafter, request, root, recording, plan.proposals[0], time.perf_counter() - clock)
+    planner.record(plan, step.accepted)
     return step
 
 
@@ -293,14 +285,13 @@ def replay_turn(
     continuation: Sequence[int],
     budget: int,
     costs: CostModel | None = None,
-    priced: bool = False,
-    realized: RealizedAcceptance | None = None,
+    planner: BudgetPlanner | None = None,
 ) -> MethodStats:
     """Replay one recorded continuation through a drafter, as the engine would run it greedily.
 
     With ``costs`` each step's verification and plain decoding's passes are timed by that model;
-    ``priced`` also cuts each step's tree by it (see :func:`replay_step`), with ``realized`` carried
-    across turns as the engine carries it across requests."""
+    ``planner`` sizes each step's tree (see :func:`replay_step`), carried across turns as the engine
+    carries its own across requests."""
     stats = MethodStats(method="", turns=1)
     started = time.perf_counter()
     drafter.begin(request, context)
@@ -309,9 +300,7 @@ def replay_turn(
     root = context[-1] if len(context) else -1
     while position < len(continuation):
         at = len(context) + position
-        step = replay_step(
-            drafter, request, root, continuation[position:], budget, costs if priced else None, at, realized
-        )
+        step = replay_step(drafter, request, root, continuation[position:], budget, at, planner)
         in_drafter += step.propose_seconds + step.feedback_seconds
         if costs is not None:
             stats.verify_seconds += costs.seconds(1, len(step.proposal), at)
@@ -452,7 +441,10 @@ def run_replay(
         raise ValueError(f"budget must be at least 1, got {budget}")
     started = time.perf_counter()
     totals = {name: MethodStats(method=name) for name in drafters}
-    realized = {name: RealizedAcceptance() for name in drafters}
+    pricing = (lambda: costs) if costs is not None else None
+    planners = {
+        name: BudgetPlanner(budget, pricing if name in priced else None, gated=False) for name in drafters
+    }
     report = ReplayReport(
         settings={
             **(settings or {}),
@@ -483,9 +475,7 @@ def run_replay(
                 context, continuation = tokens[:context_end], tokens[context_end:end]
                 for name, drafter in drafters.items():
                     request = (task_index, turn_index)
-                    turn = replay_turn(
-                        drafter, request, context, continuation, budget, costs, name in priced, realized[name]
-                    )
+                    turn = replay_turn(drafter, request, context, continuation, budget, costs, planners[name])
                     task_totals[name].add(turn)
                 bar.update()
             groups = [totals]

@@ -12,26 +12,17 @@ response history) has seen the earlier requests of its pass, never the answers i
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import datetime
-import gc
 import json
-import os
-import platform
-import re
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-import transformers
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from reader_spec.bench.environment import environment, peak_rss_mib, reset_peak_rss
 from reader_spec.bench.methods import (
     METHODS,
     BenchSetup,
@@ -52,9 +43,7 @@ from reader_spec.bench.results import (
 from reader_spec.bench.spec_bench import Question, interleave_categories
 from reader_spec.config import SAMPLING_FIELDS, GenerationConfig
 from reader_spec.drafters.retrieval.datastore import Datastore
-from reader_spec.engine import kernels
 from reader_spec.engine.loop import DEFAULT_BUDGET
-from reader_spec.engine.runner import device_description, forward_fingerprint
 from reader_spec.files import write_atomic
 from reader_spec.loading import LoadedModel
 from reader_spec.prompts import encode_prompt
@@ -141,7 +130,7 @@ def run_bench(
     for method in built.values():
         method.warm_up(max(larger, default=1) if method.can_batch else 1)
     prompt_count = sum(len(q.turns) for q in questions)
-    peaks_per_run = _reset_peak_rss()
+    peaks_per_run = reset_peak_rss()
     report = BenchReport(
         environment={**environment(loaded, draft), "runner": _runner_names(built)},
         settings={
@@ -341,11 +330,11 @@ class Run:
 
 
 def _run(method: Method, prompts: list[list[int]], max_new_tokens: int, batch_size: int, bar: tqdm) -> Run:
-    _reset_peak_rss()
+    reset_peak_rss()
     start = time.perf_counter()
     outputs = generate(method, prompts, max_new_tokens, batch_size, bar.update)
     seconds = time.perf_counter() - start
-    return Run(outputs, seconds, _peak_rss_mib())
+    return Run(outputs, seconds, peak_rss_mib())
 
 
 def in_turns(
@@ -359,7 +348,7 @@ def in_turns(
     mostly to the method's own pieces, as a run alone would. A method's seconds are its own pieces';
     its peak memory the highest during them, with the other methods' models and caches resident (as
     at batch 1, where methods alternate by prompt)."""
-    _reset_peak_rss()
+    reset_peak_rss()
     running = {name: m.steps(prompts, max_new_tokens, batch_size, bar.update) for name, m in methods.items()}
     seconds = dict.fromkeys(methods, 0.0)
     peaks = dict.fromkeys(methods, 0.0)
@@ -370,7 +359,7 @@ def in_turns(
         forwards = not forwards
         for name in order:
             steps, turn = running[name], 0.0
-            _reset_peak_rss(hand_back=False)
+            reset_peak_rss(hand_back=False)
             while turn < TURN_SECONDS:
                 start = time.perf_counter()
                 try:
@@ -382,7 +371,7 @@ def in_turns(
                 if outputs is not None:
                     break
             seconds[name] += turn
-            peaks[name] = max(peaks[name], _peak_rss_mib())
+            peaks[name] = max(peaks[name], peak_rss_mib())
             if outputs is not None:
                 runs[name] = Run(outputs, seconds[name], peaks[name])
                 del running[name]
@@ -422,93 +411,3 @@ def _prompt_result(
         peak_rss_mib=peak,
         accepted_by_source=output.accepted_by_source,
     )
-
-
-def _reset_peak_rss(hand_back: bool = True) -> bool:
-    """Restart the kernel's resident-set high-water mark (Linux), so that a peak belongs to one run.
-
-    Memory an earlier run freed stays resident inside the allocator unless handed back first
-    (``hand_back``; too slow between the steps of methods taking turns)."""
-    if hand_back:
-        gc.collect()
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        return False
-    return True
-
-
-def _peak_rss_mib() -> float:
-    """The process's resident-set high-water mark since the last reset, else over its lifetime."""
-    try:
-        found = re.search(r"^VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.MULTILINE)
-    except OSError:
-        found = None
-    if found:
-        return int(found.group(1)) / 1024
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB elsewhere
-    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
-
-
-def environment(loaded: LoadedModel, draft: LoadedModel | None = None) -> dict:
-    return {
-        "cpu": _cpu_model(),
-        "cpu_id": _cpu_id(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cores": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "model": loaded.name,
-        "draft_model": draft.name if draft is not None else None,
-        "dtype": str(loaded.model.dtype),
-        "device": device_description(loaded.model.device),
-        "compiled_kernels": kernels.available(),
-        "forward": forward_fingerprint(),
-        "commit": _git_commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _cpu_id(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """Family and model numbers: under a hypervisor the model name is often just the vendor's line
-    ("AMD EPYC"), which names hosts of different generations and matrix rates alike."""
-    try:
-        lines = cpuinfo.read_text().splitlines()
-    except OSError:
-        return ""
-    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in lines)}
-    if "cpu family" not in fields or "model" not in fields:
-        return ""
-    return f"family {fields['cpu family']} model {fields['model']}"
-
-
-def _git_commit() -> str:
-    """The source checkout's commit, ``-dirty`` when it has changes; empty outside a checkout."""
-    try:
-        result = subprocess.run(
-            ["git", "describe", "--always", "--dirty", "--abbrev=12"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    except OSError:
-        return ""
-    return result.stdout.strip() if result.returncode == 0 else ""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from reader_spec.files import cache_root, write_atomic
+from reader_spec.machine import cpu_key
 
 DENSE_TOKENS = 32
 """Passes of up to this many tree tokens (whole batch) are all timed; larger ones at ``SPARSE_TOKENS``."""
@@ -168,7 +168,7 @@ def _interpolate(curve: dict[int, float], x: np.ndarray) -> np.ndarray:
 
 def cost_cache_path(model_key: str) -> Path:
     root = cache_root()
-    machine = f"{platform.machine()}-{platform.processor()}-{os.cpu_count()}-{torch.get_num_threads()}"
+    machine = f"{cpu_key()}-{os.cpu_count()}-{torch.get_num_threads()}"
     key = f"{model_key}|{machine}|{torch.__version__}|{COSTS_FORMAT}"
     key = hashlib.sha256(key.encode()).hexdigest()[:20]
     return root / "costs" / f"{key}.json"

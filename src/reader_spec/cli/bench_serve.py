@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if min(args.concurrency) < 1 or args.limit < 1 or args.max_new_tokens < 1 or args.budget < 0:
         raise ValueError("--concurrency, --limit and --max-new-tokens must be positive; --budget >= 0")
-    from reader_spec.bench.runner import environment
+    from reader_spec.bench.environment import environment
     from reader_spec.bench.serve_load import run_serve_load
     from reader_spec.bench.spec_bench import interleave_categories, load_questions, per_category
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import platform
 from pathlib import Path
 from types import ModuleType
 
 from reader_spec.files import cache_root
+from reader_spec.machine import cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -30,18 +30,8 @@ def build_directory(name: str, sources: list[Path], headers: list[Path] = ()) ->
     import torch
 
     key = hashlib.sha256(b"".join(s.read_bytes() for s in [*sources, *headers]))
-    key.update(torch.__version__.encode() + _cpu_flags().encode())
+    key.update(torch.__version__.encode() + cpu_flags().encode())
     return cache_root() / "kernels" / f"{name}-{key.hexdigest()[:16]}"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def load(

@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from tqdm import tqdm
 
-from reader_spec.budget.allocation import allocate, seconds_saved
 from reader_spec.budget.costs import CostModel, cost_cache_path, load_costs
-from reader_spec.budget.realized import DraftingGate, RealizedAcceptance, RealizedCost
+from reader_spec.budget.planner import BudgetPlanner
 from reader_spec.config import GenerationConfig
 from reader_spec.drafters.base import Drafter, feed_back, propose_all
 from reader_spec.engine.acceptance import rule_for
@@ -34,10 +33,9 @@ from reader_spec.engine.runner import (
     synchronizer,
 )
 from reader_spec.engine.scheduler import Admission, Request, Scheduler
-from reader_spec.engine.sequence import Output, RequestStats
-from reader_spec.engine.sequence import Sequence as DecodingSequence
+from reader_spec.engine.sequence import DecodingSequence, Output, RequestStats
 from reader_spec.engine.stopping import StopCriteria
-from reader_spec.engine.tree import EMPTY_PROPOSAL, DraftTree, Proposal
+from reader_spec.engine.tree import DraftTree, Proposal
 from reader_spec.prompts import Prompt, PromptError, encode_prompt
 
 if TYPE_CHECKING:
@@ -50,18 +48,6 @@ DEFAULT_BUDGET = 16
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass
-class _Drafts:
-    """One step's drafts, a proposal and its tree per sequence of the batch."""
-
-    proposals: list[Proposal]
-    trees: list[DraftTree]
-    seconds: float
-    predicted: tuple[float, float, int] | None = None
-    """What the cost curve says a plain pass and the step's pass cost, and the pass's draft tokens
-    (None: the budget is not priced)."""
 
 
 @dataclass(frozen=True)
@@ -114,12 +100,10 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.scheduler = Scheduler(max_batch_size, reuse_prefixes)
         self._runner: ModelRunner | None = None
-        self.drafter = drafter
         self.budget = budget if drafter is not None else 0
         self.adaptive_budget = adaptive_budget
-        self.realized = RealizedAcceptance()
-        self.realized_costs: dict[int, RealizedCost] = {}
-        """By batch-size bucket (powers of two, as the cost curves are probed)."""
+        self.planner = BudgetPlanner(self.budget, (lambda: self.costs) if adaptive_budget else None)
+        self.drafter = drafter
         self.max_context = max_context_of(self.model.config)
         self._costs = costs
         self.runner_kind = runner
@@ -140,7 +124,7 @@ class Engine:
         if check_target is not None:  # a draft model must share the target's tokenizer
             check_target(self.loaded)
         self._drafter = drafter
-        self.drafting_gate = None if getattr(drafter, "prices_own_drafting", False) else DraftingGate()
+        self.planner.reset_gate(gated=not getattr(drafter, "prices_own_drafting", False))
         if self._runner is not None:
             self._offer_cache(self._runner)
 
@@ -354,65 +338,27 @@ class Engine:
     # --- one step: draft -> verify -> accept -----------------------------------------------------
     def _step(self, runner: ModelRunner, batch: list[DecodingSequence]) -> None:
         """One verification pass over every sequence of the batch."""
-        drafts = self._draft(runner, batch)
         started = time.perf_counter()
-        scores = runner.verify(drafts.trees, [s.row for s in batch], [s.rule.argmax for s in batch])
+        keys = [s.key for s in batch]
+        context = sum(len(s.tokens) for s in batch) / len(batch) - 1  # the root is not cached yet
+        plan = self.planner.plan(
+            len(batch), context, lambda seconds: propose_all(self.drafter, keys, self.budget, seconds)
+        )
+        trees = [DraftTree.from_proposal(s.tokens[-1], p) for s, p in zip(batch, plan.proposals, strict=True)]
+        verify_started = time.perf_counter()
+        draft_seconds = verify_started - started
+        scores = runner.verify(trees, [s.row for s in batch], [s.rule.argmax for s in batch])
         self._synchronize()
-        verify_seconds = time.perf_counter() - started
-        expected = accepted = 0
+        verify_seconds = time.perf_counter() - verify_started
+        accepted = 0
         paths = []
-        for seq, proposal, tree, node_scores in zip(
-            batch, drafts.proposals, drafts.trees, scores, strict=True
-        ):
+        for seq, proposal, tree, node_scores in zip(batch, plan.proposals, trees, scores, strict=True):
             paths.append(self._accept(seq, proposal, tree, node_scores))
             accepted += len(paths[-1]) - 1
-            expected += sum(proposal.probs)
-            seq.stats.draft_seconds += drafts.seconds
+            seq.stats.draft_seconds += draft_seconds
             seq.stats.verify_seconds += verify_seconds
         runner.cache.commit_rows([s.row for s in batch], paths)
-        self.realized.record(expected, accepted)
-        if drafts.predicted is not None:
-            self._realized_cost(len(batch)).record(*drafts.predicted, verify_seconds)
-
-    def _draft(self, runner: ModelRunner, batch: list[DecodingSequence]) -> _Drafts:
-        """Each sequence's proposal, cut to the share of the step's budget the allocation gives it."""
-        started = time.perf_counter()
-        proposals, predicted = [EMPTY_PROPOSAL] * len(batch), None
-        keys = [s.key for s in batch]
-        if self.budget > 0 and self.adaptive_budget:
-            context = sum(len(s.tokens) for s in batch) / len(batch) - 1  # the root is not cached yet
-            gate = self.drafting_gate
-            if gate is None or gate.propose(len(batch)):
-                proposals, predicted, saved = self._priced_proposals(keys, context)
-                if gate is not None:
-                    gate.record(len(batch), saved, time.perf_counter() - started)
-            else:
-                plain = self.costs.seconds(len(batch), 0, context)
-                predicted = (plain, plain, 0)
-        elif self.budget > 0:
-            proposals = [p.truncated(self.budget) for p in propose_all(self.drafter, keys, self.budget)]
-        trees = [DraftTree.from_proposal(s.tokens[-1], p) for s, p in zip(batch, proposals, strict=True)]
-        return _Drafts(proposals, trees, time.perf_counter() - started, predicted)
-
-    def _priced_proposals(
-        self, keys: list[int], context: float
-    ) -> tuple[list[Proposal], tuple[float, float, int], float]:
-        """The batch's proposals cut by the allocation (priced by the cost curve as passes have been
-        costing), what the curve says a plain pass and their pass cost, and the seconds they are
-        expected to save."""
-        curve = self.costs.table(len(keys), len(keys) * self.budget, context)
-        seconds = self._realized_cost(len(keys)).adjust(curve)
-        proposals = propose_all(self.drafter, keys, self.budget, seconds)
-        factor = self.realized.factor
-        counts = allocate(proposals, seconds, self.budget, factor)
-        proposals = [p.truncated(n) for p, n in zip(proposals, counts, strict=True)]
-        drafted = sum(counts)
-        saved = seconds_saved(proposals, counts, seconds, factor)
-        return proposals, (curve[0], curve[drafted], drafted), saved
-
-    def _realized_cost(self, batch: int) -> RealizedCost:
-        """How passes of this batch size have been costing against the curve."""
-        return self.realized_costs.setdefault(batch.bit_length(), RealizedCost())
+        self.planner.record(plan, accepted, verify_seconds)
 
     def _accept(self, seq: DecodingSequence, proposal: Proposal, tree: DraftTree, scores) -> list[int]:
         """Walk the tree with the request's acceptance rule and keep what the limits allow; returns the

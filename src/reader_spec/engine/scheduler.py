@@ -16,11 +16,11 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
-from collections.abc import Sequence as Tokens
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from reader_spec.config import GenerationConfig
-from reader_spec.engine.sequence import Sequence
+from reader_spec.engine.sequence import DecodingSequence
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class Scheduler:
         self.num_rows = num_rows
         self.reuse_prefixes = reuse_prefixes
         self.waiting: deque[Request] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[DecodingSequence] = []
         self.free_rows = list(range(num_rows))
         self.held: dict[int, tuple[list[int], int]] = {}
         """Free rows that hold a finished request's text: its tokens and when it was freed."""
@@ -108,10 +108,10 @@ class Scheduler:
         shared = [(row, common_prefix(prompt, wanted)) for row, prompt in prompts]
         return max(shared, key=lambda pair: pair[1], default=(None, 0))
 
-    def start(self, seq: Sequence) -> None:
+    def start(self, seq: DecodingSequence) -> None:
         bisect.insort(self.running, seq, key=lambda s: s.row)
 
-    def finish(self, seq: Sequence, held: Tokens[int] = ()) -> None:
+    def finish(self, seq: DecodingSequence, held: Sequence[int] = ()) -> None:
         """``seq`` leaves the batch; its row keeps the keys and values of ``held`` (its first tokens)."""
         self.running.remove(seq)
         bisect.insort(self.free_rows, seq.row)
@@ -122,7 +122,7 @@ class Scheduler:
         """Free rows hold nothing reusable any more (a new cache, or a run that must start cold)."""
         self.held.clear()
 
-    def cancel(self, key: int) -> Sequence | Request | None:
+    def cancel(self, key: int) -> DecodingSequence | Request | None:
         """Drop a request wherever it is; a running one's row is freed. None if unknown or done."""
         for request in self.waiting:
             if request.key == key:
@@ -141,7 +141,7 @@ class Scheduler:
             self.num_rows = num_rows
 
 
-def common_prefix(a: Tokens[int], b: Tokens[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens ``a`` and ``b`` share (by halving: slices compare in C)."""
     low, high = 0, min(len(a), len(b))
     while low < high:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Tokens
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from reader_spec.engine.acceptance import AcceptanceRule
@@ -53,7 +53,7 @@ class RequestStats(DraftCounts):
     verify_seconds: float = 0.0
     seconds: float = 0.0
 
-    def record_step(self, proposal: Proposal, emitted: int, accepted: Tokens[int]) -> None:
+    def record_step(self, proposal: Proposal, emitted: int, accepted: Sequence[int]) -> None:
         """One verification pass of ``proposal`` that emitted ``emitted`` tokens, ``accepted`` of them
         proposal nodes (indices into ``proposal``; a limit may have cut the accepted path short)."""
         self.steps += 1
@@ -100,7 +100,7 @@ class Output:
 
 
 @dataclass
-class Sequence:
+class DecodingSequence:
     """A request being decoded in one row of the KV cache."""
 
     request_id: object

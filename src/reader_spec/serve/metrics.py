@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from reader_spec.engine.sequence import Output
-from reader_spec.engine.sequence import mean_accepted as tokens_per_step
+from reader_spec.engine.sequence import Output, mean_accepted
 from reader_spec.serve.service import StepRecord
 
 
@@ -76,4 +75,4 @@ class Metrics:
             self.accepted.labels(source=source).inc(count)
         self._tokens += stats.new_tokens
         self._steps += stats.steps
-        self.mean_accepted.set(tokens_per_step(self._tokens, self._steps))
+        self.mean_accepted.set(mean_accepted(self._tokens, self._steps))

@@ -40,10 +40,8 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import sys
-import tempfile
 import time
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
@@ -54,7 +52,13 @@ from pathlib import Path
 import numpy as np
 
 from reader_spec.drafters.retrieval import native
-from reader_spec.files import file_sha256, fsync_directory
+from reader_spec.files import (
+    file_sha256,
+    fsync_directory,
+    install_directory,
+    staging_directory,
+    sweep_stale_builds,
+)
 
 log = logging.getLogger(__name__)
 
@@ -220,11 +224,10 @@ class Datastore:
         """
         started, started_at = time.perf_counter(), time.time()
         output = Path(output)
-        _sweep_stale(output, started_at)
+        sweep_stale_builds(output, started_at, restorable=lambda old: (old / META_FILE).is_file())
         check_output(output)
         stream, documents_count = _concatenate(documents)
-        output.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=output.parent, prefix=_sibling_prefix(output, "building")))
+        staging = staging_directory(output)
         try:
             files = {TOKENS_FILE: _write_array(staging / TOKENS_FILE, stream.astype("<u4", copy=False))}
             log.info("sorting the suffixes of %s tokens", f"{len(stream):,}")
@@ -244,7 +247,8 @@ class Datastore:
             )
             _write_json(staging / META_FILE, asdict(meta))
             fsync_directory(staging)
-            _install(staging, output)
+            check_output(output)
+            install_directory(staging, output)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return cls.open(output, fingerprint=fingerprint)
@@ -483,78 +487,3 @@ def check_output(output: Path) -> None:
         except (OSError, ValueError, AttributeError):
             pass
     raise DatastoreError(f"{output} exists and is not a datastore; choose another output")
-
-
-def _install(staging: Path, output: Path) -> None:
-    """Move the finished index into place; an existing one is removed only after the swap.
-
-    POSIX cannot swap two directories atomically, so an existing index is renamed aside, then the new
-    one in: between the two renames (two system calls) ``output`` is missing. A failure of the second
-    rename puts the old index back at once; a kill between them leaves it in the ``.old-`` sibling,
-    which the next build of ``output`` moves back before anything else (``_sweep_stale``).
-    """
-    check_output(output)
-    if not output.exists():
-        os.replace(staging, output)
-        fsync_directory(output.parent)
-        return
-    old = Path(tempfile.mkdtemp(dir=output.parent, prefix=_sibling_prefix(output, "old")))
-    os.replace(output, old)  # an empty directory is replaced by a rename
-    try:
-        os.replace(staging, output)
-    except BaseException:
-        os.replace(old, output)
-        raise
-    fsync_directory(output.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _sibling_prefix(output: Path, kind: str) -> str:
-    """Hidden working directories beside ``output`` name their kind and the process that owns them."""
-    return f".{output.name}.{kind}-{os.getpid()}-"
-
-
-def _sweep_stale(output: Path, started_at: float) -> None:
-    """Remove the ``.building-`` and ``.old-`` siblings that killed builds of ``output`` left.
-
-    A sibling is stale when the process named in it no longer runs: a build that is still running
-    keeps its own, and a pid reused since then only delays the removal. A sibling without a pid (from
-    versions that did not record it) is stale when it is older than this build. POSIX only: elsewhere
-    no process can be asked whether it runs, and nothing is removed. Two machines building one output
-    on a shared file system at the same time are not supported (each sees the other's pid as gone).
-    If ``output`` is missing and a stale ``.old-`` sibling holds an index, a kill hit ``_install``
-    between its renames: that index is moved back to ``output`` instead of being removed.
-    """
-    if os.name != "posix" or not output.parent.is_dir():
-        return
-    pattern = re.compile(rf"\.{re.escape(output.name)}\.(building|old)-(?:(\d+)-)?\w+")
-    stale: list[tuple[str, Path]] = []
-    for sibling in output.parent.iterdir():
-        found = pattern.fullmatch(sibling.name)
-        if not found or not sibling.is_dir() or sibling.is_symlink():
-            continue
-        pid = found.group(2)
-        live = _running(int(pid)) if pid else sibling.stat().st_mtime >= started_at
-        if not live:
-            stale.append((found.group(1), sibling))
-    previous = [s for kind, s in stale if kind == "old" and (s / META_FILE).is_file()]
-    if previous and not output.exists() and not output.is_symlink():
-        kept = max(previous, key=lambda s: s.stat().st_mtime)
-        log.warning("restoring %s, which a killed build had moved aside", output)
-        os.replace(kept, output)
-        fsync_directory(output.parent)
-        stale.remove(("old", kept))
-    for _, sibling in stale:
-        log.info("removing %s, left by a killed build", sibling)
-        shutil.rmtree(sibling, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    """Whether a process with this id runs on this machine (signal 0 only checks)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
