@@ -18,6 +18,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from reader_spec.drafters.token_buffer import TokenBuffer
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal, chain_proposal
 
 SOURCE = "pld"
@@ -26,32 +27,6 @@ CONFIDENCE = 1.0
 """The probability given to every drafted token. Prompt lookup has no confidence estimate and always
 verifies its whole chain; 1.0 makes a budget that ranks nodes by probability do the same (peers are
 meant to run with ``adaptive_budget=False`` anyway)."""
-
-
-class GrowingTokens:
-    """A token buffer with amortized O(1) appends and a zero-copy view of its contents."""
-
-    def __init__(self, tokens: Sequence[int] = ()) -> None:
-        initial = np.asarray(tokens, dtype=np.int32)
-        self._buffer = np.empty(max(2 * len(initial), 64), dtype=np.int32)
-        self._buffer[: len(initial)] = initial
-        self._length = len(initial)
-
-    def __len__(self) -> int:
-        return self._length
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        new = np.asarray(tokens, dtype=np.int32)
-        end = self._length + len(new)
-        if end > len(self._buffer):
-            grown = np.empty(max(2 * len(self._buffer), end), dtype=np.int32)
-            grown[: self._length] = self._buffer[: self._length]
-            self._buffer = grown
-        self._buffer[self._length : end] = new
-        self._length = end
-
-    def view(self) -> np.ndarray:
-        return self._buffer[: self._length]
 
 
 def prompt_lookup(text: np.ndarray, num_tokens: int, max_ngram: int, min_ngram: int) -> np.ndarray:
@@ -91,14 +66,14 @@ class PromptLookupDrafter:
         self.num_tokens = num_tokens
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
-        self._texts: dict[Hashable, GrowingTokens] = {}
+        self._texts: dict[Hashable, TokenBuffer] = {}
 
     @property
     def settings(self) -> dict[str, int]:
         return {"num_tokens": self.num_tokens, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
 
     def begin(self, request: Hashable, prompt: Sequence[int]) -> None:
-        self._texts[request] = GrowingTokens(prompt)
+        self._texts[request] = TokenBuffer(prompt)
 
     def extend(self, request: Hashable, tokens: Sequence[int]) -> None:
         self._texts[request].extend(tokens)

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from reader_spec.drafters.token_buffer import TokenBuffer
 from reader_spec.engine.tree import EMPTY_PROPOSAL, Proposal
 
 SOURCE = "suffix"
@@ -98,8 +99,7 @@ class TokenCorpus:
     """
 
     def __init__(self) -> None:
-        self._buffer = np.full(64, SENTINEL, dtype=np.int32)
-        self._length = 1  # the leading sentinel
+        self._tokens = TokenBuffer([SENTINEL], fill=SENTINEL, spare=1)  # the leading and trailing sentinels
         self._indexed = 0
         self._scanned = 0
         self._order = np.empty(0, dtype=np.int64)
@@ -108,17 +108,16 @@ class TokenCorpus:
     @property
     def buffer(self) -> np.ndarray:
         """The whole buffer; entries from ``len(self)`` on are sentinels."""
-        return self._buffer
+        return self._tokens.buffer
 
     def __len__(self) -> int:
         """Buffer length in use, sentinels included."""
-        return self._length
+        return len(self._tokens)
 
     def start_sequence(self) -> None:
         """Later tokens form a new sequence: no match or continuation crosses into it."""
-        if self._buffer[self._length - 1] != SENTINEL:
-            self._reserve(1)
-            self._length += 1
+        if self._tokens.view()[-1] != SENTINEL:
+            self._tokens.extend([SENTINEL])
 
     def append(self, tokens: Sequence[int]) -> None:
         """Append tokens to the last sequence."""
@@ -127,19 +126,18 @@ class TokenCorpus:
             return
         if new.min() < 0 or new.max() > np.iinfo(np.int32).max:
             raise ValueError("token ids must be non-negative 32-bit integers")
-        self._reserve(len(new))
-        self._buffer[self._length : self._length + len(new)] = new
-        self._length += len(new)
+        self._tokens.extend(new)
 
     def positions(self, token: int) -> np.ndarray:
         """Every position holding ``token``, ascending."""
-        self._scanned += self._length - self._indexed
-        if self._scanned > REBUILD_RATIO * self._length:
-            used = self._buffer[: self._length]
+        length = len(self._tokens)
+        self._scanned += length - self._indexed
+        if self._scanned > REBUILD_RATIO * length:
+            used = self._tokens.view()
             self._order = np.argsort(used, kind="stable")
             self._sorted = used[self._order]
-            self._indexed, self._scanned = self._length, 0
-        tail = np.flatnonzero(self._buffer[self._indexed : self._length] == token)
+            self._indexed, self._scanned = length, 0
+        tail = np.flatnonzero(self._tokens.view()[self._indexed :] == token)
         if not self._indexed:
             return tail
         # An int32 needle: mixing in Python ints would make numpy cast the whole index per lookup.
@@ -150,18 +148,12 @@ class TokenCorpus:
 
     def tail(self, count: int) -> np.ndarray:
         """The last ``count`` tokens (fewer when the buffer is shorter), sentinels included."""
-        return self._buffer[max(self._length - count, 1) : self._length]
+        used = self._tokens.view()
+        return used[max(len(used) - count, 1) :]
 
     def sequence_tokens(self) -> np.ndarray:
         """The tokens after the leading sentinel."""
-        return self._buffer[1 : self._length]
-
-    def _reserve(self, extra: int) -> None:
-        needed = self._length + extra + 1  # keep a sentinel after the last token
-        if needed > len(self._buffer):
-            grown = np.full(max(2 * len(self._buffer), needed), SENTINEL, dtype=np.int32)
-            grown[: self._length] = self._buffer[: self._length]
-            self._buffer = grown
+        return self._tokens.view()[1:]
 
 
 ONE_SHOT_CELLS = 8192
