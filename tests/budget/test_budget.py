@@ -256,7 +256,9 @@ def test_the_floor_counts_every_weight_once_packed_or_not(weights):
     model = make_tiny_llama()
     parameters = sum(p.numel() for p in model.parameters())  # a tied matrix is one parameter
     before = measure_floor(model)
-    FastDecoder(model, weights=weights)  # fused views of shared matrices, padded to whole blocks of 32 rows
+    FastDecoder(
+        model, weight_format=weights
+    )  # fused views of shared matrices, padded to whole blocks of 32 rows
     after = measure_floor(model)
     assert before.parameters == parameters and before.weight_bytes == 4 * parameters
     assert not before.integer_products

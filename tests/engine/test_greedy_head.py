@@ -158,7 +158,7 @@ def test_it_applies_to_float32_heads_without_bias_only():
     float_head, _ = pack_linears([torch.nn.Linear(64, 100, bias=False)])
     assert GreedyHead.applies(float_head)
     biased, _ = pack_linears([torch.nn.Linear(64, 100)])
-    int8, _ = pack_linears([torch.nn.Linear(64, 100, bias=False)], weights="int8")
+    int8, _ = pack_linears([torch.nn.Linear(64, 100, bias=False)], weight_format="int8")
     assert not GreedyHead.applies(biased) and not GreedyHead.applies(int8)
 
 

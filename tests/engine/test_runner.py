@@ -338,7 +338,7 @@ def test_an_int8_copy_of_a_packed_model_verifies_close_to_float32(family, on_cpu
     make_runner(case, num_rows=1, capacity=32).prefill(0, tokens[:9])  # packs float32 in place
     draft = copy.deepcopy(model)
     del draft._reader_fast_decoder
-    draft._reader_fast_decoder = FastDecoder(draft, weights="int8")
+    draft._reader_fast_decoder = FastDecoder(draft, weight_format="int8")
     runner = make_runner(Case(draft, draft, "fast"), num_rows=1, capacity=32)
     runner.prefill(0, tokens[:9])
     logits = runner.verify([chain], [0])[0]

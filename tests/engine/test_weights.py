@@ -172,7 +172,7 @@ def input_rounding(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def test_an_int8_matrix_multiplies_like_its_dequantized_matrix(kernel, rows, bias):
     module = linear(100, 70, bias, seed=rows)  # 100 outputs: the last block of 32 is partial
     weight, bias_values = module.weight.clone(), None if module.bias is None else module.bias.clone()
-    packed, _ = pack_linears([module], weights="int8")
+    packed, _ = pack_linears([module], weight_format="int8")
     assert packed.blocked and packed.weight.dtype == torch.uint8 and packed.weight_format == "int8"
     assert packed.weight.shape == (4, 18, 128) and packed.scales.shape == (128,)  # 70 k: 18 groups of 4
     x = torch.randn(2, rows, 70)
@@ -186,7 +186,7 @@ def test_an_int8_matrix_multiplies_like_its_dequantized_matrix(kernel, rows, bia
 
 def test_an_int8_product_of_rows_with_inf_or_nan_is_not_finite_there_only(kernel):
     module = linear(40, 16, bias=True, seed=2)
-    packed, _ = pack_linears([module], weights="int8")
+    packed, _ = pack_linears([module], weight_format="int8")
     x = torch.randn(3, 16)
     x[0, 5], x[2, 0] = float("inf"), float("nan")
     out = packed(x)
@@ -196,7 +196,7 @@ def test_an_int8_product_of_rows_with_inf_or_nan_is_not_finite_there_only(kernel
 def test_int8_weights_are_within_half_a_step_of_the_originals():
     module = linear(100, 70, bias=False, seed=1)
     weight = module.weight.clone()
-    packed, _ = pack_linears([module], weights="int8")
+    packed, _ = pack_linears([module], weight_format="int8")
     step = weight.abs().amax(dim=1, keepdim=True) / 127
     assert torch.equal(packed.plain_weight(), dequantized(weight))
     assert ((packed.plain_weight() - weight).abs() <= step / 2 * (1 + 1e-5)).all()
@@ -207,7 +207,7 @@ def test_int8_weights_are_within_half_a_step_of_the_originals():
 def test_fused_int8_matrices_split_into_their_parts_and_views_stay_usable(kernel):
     parts = [linear(n, 48, bias=n == 16, seed=n) for n in (64, 16, 16)]  # q, k (with bias), v
     references = [(dequantized(p.weight), None if p.bias is None else p.bias.clone()) for p in parts]
-    fused, views = pack_linears(parts, weights="int8")
+    fused, views = pack_linears(parts, weight_format="int8")
     x = torch.randn(5, 48)
     expected = [nn.functional.linear(x, *ref) for ref in references]
     for got, want, view, ref in zip(fused.split(fused(x)), expected, views, references, strict=True):
@@ -225,7 +225,7 @@ def test_fused_int8_matrices_split_into_their_parts_and_views_stay_usable(kernel
 def test_an_int8_module_saves_and_looks_up_the_dequantized_matrix():
     module = linear(96, 40, bias=True, seed=3)
     weight, bias = dequantized(module.weight), module.bias.clone()
-    packed, _ = pack_linears([module], weights="int8")
+    packed, _ = pack_linears([module], weight_format="int8")
     state = packed.state_dict()
     assert state.keys() == {"weight", "bias"}
     assert torch.equal(state["weight"], weight) and torch.equal(state["bias"], bias)
@@ -245,7 +245,7 @@ def test_rows_do_not_depend_on_the_rest_of_the_pass(weight_format, compiled_kern
     module = linear(157, 64, bias=True, seed=6)  # 5 blocks, the last partial: an unpaired one
     if weight_format in GRIDS:
         module.weight.copy_(GRIDS[weight_format](157, 64, seed=6))
-    packed, _ = pack_linears([module], weights="int4" if weight_format in GRIDS else weight_format)
+    packed, _ = pack_linears([module], weight_format="int4" if weight_format in GRIDS else weight_format)
     assert packed.weight_format == weight_format
     x = torch.randn(27, 64)
 
@@ -331,7 +331,7 @@ def test_int4_keeps_a_gguf_files_matrices_exactly(grouped, monkeypatch):
     module = grid_linear(100, 96, bias=True, seed=4, stored=grouped)  # 100 outputs: a partial last block
     weight, bias = module.weight.clone(), module.bias.clone()
     assert int4_fits(weight) == (grouped == "int4")
-    packed, _ = pack_linears([module], weights="int4")
+    packed, _ = pack_linears([module], weight_format="int4")
     assert packed.weight_format == grouped and packed.blocked and grouped in repr(packed)
     bits = weights.GROUPED_BITS[grouped]
     assert packed.weight.shape == (4, 3, 128 * bits) and packed.weight.dtype == torch.uint8
@@ -348,7 +348,7 @@ def test_int4_keeps_a_gguf_files_matrices_exactly(grouped, monkeypatch):
 
 
 def test_the_compiled_grouped_lookup_refuses_a_token_outside_the_matrix(grouped, compiled_kernels):
-    packed, _ = pack_linears([grid_linear(100, 64, bias=False, seed=5, stored=grouped)], weights="int4")
+    packed, _ = pack_linears([grid_linear(100, 64, bias=False, seed=5, stored=grouped)], weight_format="int4")
     assert packed.weight_format == grouped
     with pytest.raises(RuntimeError, match="grouped_rows: token 128 outside the 128 rows"):
         packed.rows_of(torch.tensor([3, 128]))
@@ -358,13 +358,13 @@ def test_int4_stores_a_float_matrix_in_8_bits_per_group_or_per_row():
     float_matrix = linear(40, 64, bias=False, seed=1)
     weight = float_matrix.weight.clone()
     assert not int4_fits(weight)
-    packed, _ = pack_linears([float_matrix], weights="int4")
+    packed, _ = pack_linears([float_matrix], weight_format="int4")
     assert packed.weight_format == weights.INT8_GROUPED
     groups = weight.view(40, 2, 32)
     step = groups.abs().amax(-1, keepdim=True) / 127  # half a step of each group's own scale, at most
     assert ((packed.plain_weight().view(40, 2, 32) - groups).abs() <= step * 0.5 * 1.01).all()
     assert not int4_fits(q4_grid(8, 64, 0)[:, :48])  # 48 inputs: not whole groups of 32
-    other, _ = pack_linears([linear(8, 48, bias=False, seed=2)], weights="int4")
+    other, _ = pack_linears([linear(8, 48, bias=False, seed=2)], weight_format="int4")
     assert other.weight_format == "int8"
 
 
@@ -373,7 +373,7 @@ def test_int4_stores_a_float_matrix_in_8_bits_per_group_or_per_row():
 def test_a_grouped_matrix_multiplies_like_its_dequantized_matrix(kernel, grouped, rows, bias):
     module = grid_linear(100, 64, bias, seed=rows, stored=grouped)
     weight, bias_values = module.weight.clone(), None if module.bias is None else module.bias.clone()
-    packed, _ = pack_linears([module], weights="int4")
+    packed, _ = pack_linears([module], weight_format="int4")
     assert packed.weight_format == grouped
     x = torch.randn(2, rows, 64)
     expected = nn.functional.linear(x, weight, bias_values)
@@ -383,7 +383,7 @@ def test_a_grouped_matrix_multiplies_like_its_dequantized_matrix(kernel, grouped
 
 
 def test_a_grouped_product_of_rows_with_inf_or_nan_is_not_finite_there_only(kernel, grouped):
-    packed, _ = pack_linears([grid_linear(40, 32, bias=True, seed=2, stored=grouped)], weights="int4")
+    packed, _ = pack_linears([grid_linear(40, 32, bias=True, seed=2, stored=grouped)], weight_format="int4")
     x = torch.randn(3, 32)
     x[0, 5], x[2, 0] = float("inf"), float("nan")
     out = packed(x)
@@ -393,7 +393,7 @@ def test_a_grouped_product_of_rows_with_inf_or_nan_is_not_finite_there_only(kern
 def test_fused_grouped_matrices_split_into_their_parts_and_views_stay_usable(kernel, grouped):
     parts = [grid_linear(n, 64, bias=n == 16, seed=n, stored=grouped) for n in (64, 16, 16)]  # q, k, v
     references = [(p.weight.clone(), None if p.bias is None else p.bias.clone()) for p in parts]
-    fused, views = pack_linears(parts, weights="int4")
+    fused, views = pack_linears(parts, weight_format="int4")
     x = torch.randn(5, 64)
     for got, view, ref in zip(fused.split(fused(x)), views, references, strict=True):
         want = nn.functional.linear(x, *ref)
@@ -407,7 +407,7 @@ def test_fused_grouped_matrices_split_into_their_parts_and_views_stay_usable(ker
 def test_a_matrix_fuses_in_int4_only_if_every_part_does():
     parts = [grid_linear(32, 64, False, seed=1), grid_linear(32, 64, False, seed=2, stored="int8-grouped")]
     q4, q8 = (p.weight.clone() for p in parts)
-    fused, views = pack_linears(parts, weights="int4")
+    fused, views = pack_linears(parts, weight_format="int4")
     assert fused.weight_format == weights.INT8_GROUPED
     assert all(view.weight_format == weights.INT8_GROUPED for view in views)
     assert torch.equal(views[1].plain_weight(), q8)
@@ -417,7 +417,7 @@ def test_a_matrix_fuses_in_int4_only_if_every_part_does():
 
 def test_grouped_formats_on_other_dtypes_keep_the_plain_layout(grouped):
     module = grid_linear(64, 32, bias=True, seed=5, stored=grouped).to(torch.bfloat16)
-    packed, _ = pack_linears([module], weights="int4")
+    packed, _ = pack_linears([module], weight_format="int4")
     assert packed.weight_format == grouped and not packed.blocked
     assert packed.weight.shape == (64, 32) and packed.scales.shape == (64, 1, 2)
     plain = packed.plain_weight()
@@ -430,7 +430,7 @@ def test_grouped_formats_on_other_dtypes_keep_the_plain_layout(grouped):
 def test_int8_on_other_dtypes_keeps_the_plain_layout():
     module = linear(64, 32, bias=True, seed=4).to(torch.bfloat16)
     weight = module.weight.float()
-    packed, _ = pack_linears([module], weights="int8")
+    packed, _ = pack_linears([module], weight_format="int8")
     assert not packed.blocked and packed.weight.dtype == torch.int8 and packed.weight.shape == (64, 32)
     plain = packed.plain_weight()
     assert plain.dtype == torch.bfloat16 and packed.scales.dtype == torch.bfloat16
@@ -443,7 +443,7 @@ def test_int8_on_other_dtypes_keeps_the_plain_layout():
 def test_an_unknown_weight_format_is_refused_before_anything_is_packed():
     module = linear(8, 4, bias=False, seed=0)
     with pytest.raises(ValueError, match="weights must be one of float32, int8, int4"):
-        pack_linears([module], weights="int3")
+        pack_linears([module], weight_format="int3")
     assert isinstance(module.weight, nn.Parameter)
 
 
@@ -480,7 +480,7 @@ def test_an_int8_model_predicts_close_to_float32_and_runs_its_own_forward(tied):
 
     model = _tiny_llama(tied)
     reference = copy.deepcopy(model)
-    model._reader_fast_decoder = FastDecoder(model, weights="int8")
+    model._reader_fast_decoder = FastDecoder(model, weight_format="int8")
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 1 + 7 * model.config.num_hidden_layers
     assert all(m.weight_format == "int8" for m in packed)
@@ -502,13 +502,13 @@ def test_a_copy_of_a_float32_packed_model_packs_again_as_int8(tied):
 
     model = _tiny_llama(tied)
     fresh = copy.deepcopy(model)
-    FastDecoder(fresh, weights="int8")  # int8 straight from nn.Linear: what the copy must become
+    FastDecoder(fresh, weight_format="int8")  # int8 straight from nn.Linear: what the copy must become
     tokens = list(range(3, 20))
     expected = _own_logits(model, tokens)
     assert (_fast_logits(model, tokens) - expected[9:]).abs().max() < TOL  # packs float32 in place
     draft = copy.deepcopy(model)
     del draft._reader_fast_decoder
-    draft._reader_fast_decoder = FastDecoder(draft, weights="int8")
+    draft._reader_fast_decoder = FastDecoder(draft, weight_format="int8")
     for (name, got), (_, want) in zip(draft.named_modules(), fresh.named_modules(), strict=True):
         if isinstance(want, PackedLinear):
             assert isinstance(got, PackedLinear) and got.weight_format == "int8", name
@@ -535,7 +535,7 @@ def test_without_a_compiler_int8_weights_are_dequantized_for_each_product(monkey
         assert not kernels.available()
         module = linear(100, 40, bias=True, seed=7)
         reference = dequantized(module.weight), module.bias.clone()
-        packed, _ = pack_linears([module], weights="int8")
+        packed, _ = pack_linears([module], weight_format="int8")
         assert packed.blocked and packed.weight.dtype == torch.uint8
         for rows in (1, 9, 100):
             x = torch.randn(rows, 40)
@@ -617,7 +617,7 @@ def test_requests_ahead_are_timed_at_each_row_count_on_every_matrix_of_a_pass(mo
     first = pack_linears([linear(64, 40, bias=False, seed=1)])[0]
     wide = pack_linears([linear(96, 24, bias=False, seed=2)])[0]
     last = pack_linears([linear(64, 40, bias=False, seed=3)])[0]
-    quantized = pack_linears([linear(64, 40, bias=False, seed=4)], weights="int8")[0]
+    quantized = pack_linears([linear(64, 40, bias=False, seed=4)], weight_format="int8")[0]
     weights.time_together([first, quantized, wide, last])
     assert first.same_pass == [first.weight, wide.weight, last.weight] == last.same_pass
     assert kernel_choice.AHEAD_TIMED_ROWS >= 5

@@ -87,14 +87,14 @@ class _Plan:
 class FastDecoder:
     """Packs ``model``'s weights in place (its own forward keeps working) and runs packed passes.
 
-    ``weights``: the storage format of every packed matrix (``WEIGHT_FORMATS`` of
+    ``weight_format``: the storage format of every packed matrix (``WEIGHT_FORMATS`` of
     :mod:`reader_spec.engine.weights`; ``int4`` for the self-draft). ``model`` may have been packed
     before (a copy of a packed model, packed again in another format).
     """
 
-    def __init__(self, model: PreTrainedModel, weights: str = "float32"):
+    def __init__(self, model: PreTrainedModel, weight_format: str = "float32"):
         self.model = model
-        self.weights = weights
+        self.weight_format = weight_format
         core = model.model
         attention0 = core.layers[0].self_attn
         self.head_dim = attention0.head_dim
@@ -109,14 +109,16 @@ class FastDecoder:
             tied = model.lm_head.weight is core.embed_tokens.weight
             scale = getattr(core.embed_tokens, "embed_scale", None)
         linears = [m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
-        self.arena = PageArena(sum(packed_bytes(m, weights) for m in linears)) if _on_cpu(model) else None
+        self.arena = (
+            PageArena(sum(packed_bytes(m, weight_format) for m in linears)) if _on_cpu(model) else None
+        )
         """Where the packed matrices live (:mod:`reader_spec.engine.memory`)."""
-        self.lm_head, _ = pack_linears([model.lm_head], weights=weights, arena=self.arena)
+        self.lm_head, _ = pack_linears([model.lm_head], weight_format=weight_format, arena=self.arena)
         model.lm_head = self.lm_head
         if tied:
             core.embed_tokens = self.embed = _TiedEmbedding(self.lm_head, scale)
         self.layers = [
-            pack_layer(layer, kind, self.head_dim, weights, self.arena)
+            pack_layer(layer, kind, self.head_dim, weight_format, self.arena)
             for layer, kind in zip(core.layers, layer_kinds(model.config), strict=True)
         ]
         self.kv_heads = self.layers[0].qkv.parts[1][1] // self.head_dim

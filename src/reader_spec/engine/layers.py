@@ -77,9 +77,9 @@ class PackedLayer:
 
 
 def pack_layer(
-    layer: nn.Module, kind: str, head_dim: int, weights: str, arena: PageArena | None
+    layer: nn.Module, kind: str, head_dim: int, weight_format: str, arena: PageArena | None
 ) -> PackedLayer:
-    """Pack a decoder layer's projections in place (``weights``: the storage format, matrices in
+    """Pack a decoder layer's projections in place (``weight_format``: the storage format, matrices in
     ``arena`` where given) and gather what a pass runs: fused query/key/value and gate/up matrices,
     the family's norms, activation and attention module."""
     attention, mlp = layer.self_attn, layer.mlp
@@ -90,25 +90,27 @@ def pack_layer(
         qkv, _ = pack_linears(
             [attention.qkv_proj],
             parts=(heads, kv_heads, kv_heads),
-            weights=weights,
+            weight_format=weight_format,
             arena=arena,
         )
         attention.qkv_proj = qkv
     else:
         qkv, views = pack_linears(
-            [attention.q_proj, attention.k_proj, attention.v_proj], weights=weights, arena=arena
+            [attention.q_proj, attention.k_proj, attention.v_proj], weight_format=weight_format, arena=arena
         )
         attention.q_proj, attention.k_proj, attention.v_proj = views
-    attention.o_proj, _ = pack_linears([attention.o_proj], weights=weights, arena=arena)
+    attention.o_proj, _ = pack_linears([attention.o_proj], weight_format=weight_format, arena=arena)
     if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate and up are one matrix too
         half = mlp.gate_up_proj.out_features // 2  # nn.Linear's or, packed before, PackedLinear's
-        gate_up, _ = pack_linears([mlp.gate_up_proj], parts=(half, half), weights=weights, arena=arena)
+        gate_up, _ = pack_linears(
+            [mlp.gate_up_proj], parts=(half, half), weight_format=weight_format, arena=arena
+        )
         mlp.gate_up_proj = gate_up
     else:
         gate_up, (mlp.gate_proj, mlp.up_proj) = pack_linears(
-            [mlp.gate_proj, mlp.up_proj], weights=weights, arena=arena
+            [mlp.gate_proj, mlp.up_proj], weight_format=weight_format, arena=arena
         )
-    mlp.down_proj, _ = pack_linears([mlp.down_proj], weights=weights, arena=arena)
+    mlp.down_proj, _ = pack_linears([mlp.down_proj], weight_format=weight_format, arena=arena)
     gemma = hasattr(layer, "pre_feedforward_layernorm")
     return PackedLayer(
         input_norm=layer.input_layernorm,

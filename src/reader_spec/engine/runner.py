@@ -358,22 +358,23 @@ def fast_decoder(model: PreTrainedModel, runner: str) -> FastDecoder | None:
     return chosen
 
 
-def pack_weights(model: PreTrainedModel, weights: str) -> FastDecoder:
-    """Stores ``model``'s matrices in the format ``weights`` (:data:`WEIGHT_FORMATS`) now, in place:
+def pack_weights(model: PreTrainedModel, weight_format: str) -> FastDecoder:
+    """Stores ``model``'s matrices in the format ``weight_format`` (:data:`WEIGHT_FORMATS`) now, in place:
     every runner built on it later, the fast one and transformers' forward alike, multiplies by them.
 
     Outputs are then those of the model in that format; speculation is exact against its plain decoding.
     """
-    if weights not in WEIGHT_FORMATS:
-        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
     if not supports(model):
         raise ValueError(
-            f"{weights} weights are packed by the fast runner, which does not run {type(model).__name__} "
-            f"(model_type {model.config.model_type!r}); it runs {', '.join(FAST_FAMILIES)}"
+            f"{weight_format} weights are packed by the fast runner, which does not run "
+            f"{type(model).__name__} (model_type {model.config.model_type!r}); "
+            f"it runs {', '.join(FAST_FAMILIES)}"
         )
     decoder = getattr(model, "_reader_fast_decoder", None)
-    if decoder is None or decoder.weights != weights:
-        decoder = model._reader_fast_decoder = FastDecoder(model, weights=weights)
+    if decoder is None or decoder.weight_format != weight_format:
+        decoder = model._reader_fast_decoder = FastDecoder(model, weight_format=weight_format)
     return decoder
 
 

@@ -293,22 +293,22 @@ class PackedLinear(nn.Module):
 def pack_linears(
     modules: Sequence[nn.Linear | PackedLinear],
     parts: Sequence[int] = (),
-    weights: str = "float32",
+    weight_format: str = "float32",
     arena: PageArena | None = None,
 ) -> tuple[PackedLinear, list[PackedLinear]]:
     """One fused :class:`PackedLinear` over ``modules`` (same input), and a view of it for each.
 
     ``parts`` gives the sizes of the outputs of a single module that is already fused (Phi-3).
-    ``weights`` is the storage format (:data:`WEIGHT_FORMATS`). ``modules`` may be packed already (a
+    ``weight_format`` is the storage format (:data:`WEIGHT_FORMATS`). ``modules`` may be packed already (a
     copy of a packed model, packed again in another format): their plain matrices are read.
     The originals' weights are freed one by one as they are packed: no second copy is kept. Blocked
     matrices are written into ``arena`` where one is given (:mod:`reader_spec.engine.memory`).
     """
-    if weights not in WEIGHT_FORMATS:
-        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
-    if weights == "int4":
-        weights = _grouped_format(modules)
-    quantize = weights != "float32"
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}")
+    if weight_format == "int4":
+        weight_format = _grouped_format(modules)
+    quantize = weight_format != "float32"
     blocked = _blocks(*_values_of(modules[0]))
     sizes = [m.out_features if isinstance(m, PackedLinear) else m.weight.shape[0] for m in modules]
     stored = [round_up(n) if blocked else n for n in sizes]
@@ -321,13 +321,13 @@ def pack_linears(
             bias = module.bias.detach()[:size] if module.bias is not None else weight.new_zeros(size)
             biases.append(torch.cat([bias, bias.new_zeros(room - size)]))
         matrix = weight
-        if weights in GROUPED_BITS:
-            matrix, scale = _grouped_parts(weight, weights, room, blocked, part_arena)
+        if weight_format in GROUPED_BITS:
+            matrix, scale = _grouped_parts(weight, weight_format, room, blocked, part_arena)
             scales.append(scale)
         elif quantize:
             matrix, scale = quantize_int8(weight)
             scales.append(torch.cat([scale, scale.new_zeros(room - size)]))
-        if blocked and weights not in GROUPED_BITS:
+        if blocked and weight_format not in GROUPED_BITS:
             matrix = (to_groups if quantize else to_blocks)(matrix, room, part_arena)
         matrices.append(matrix)
         if blocked or quantize:
@@ -353,11 +353,15 @@ def pack_linears(
         offsets = [0, *itertools.accumulate(parts)][:-1] if parts else [0]
         bias = None if bias is None else bias[: sizes[0]]
         part_sizes = list(zip(offsets, parts or sizes, strict=True))
-        whole = PackedLinear(fused, bias, in_features, sizes[0], blocked, part_sizes, fused_scales, weights)
+        whole = PackedLinear(
+            fused, bias, in_features, sizes[0], blocked, part_sizes, fused_scales, weight_format
+        )
         return whole, [whole]
     starts = [0, *itertools.accumulate(stored)][:-1]
     part_sizes = list(zip(starts, sizes, strict=True))
-    whole = PackedLinear(fused, bias, in_features, sum(stored), blocked, part_sizes, fused_scales, weights)
+    whole = PackedLinear(
+        fused, bias, in_features, sum(stored), blocked, part_sizes, fused_scales, weight_format
+    )
     views = []
     for start, size, room in zip(starts, sizes, stored, strict=True):
         unit = BLOCK if quantize else PANEL  # float32 blocks are stored as panels
@@ -365,11 +369,17 @@ def pack_linears(
         part_bias = None if bias is None else bias[start : start + size]
         part_scales = None
         if fused_scales is not None:  # grouped scales go by block (blocked) or row, int8's by column
-            grouped = weights in GROUPED_BITS
+            grouped = weight_format in GROUPED_BITS
             part_scales = fused_scales[rows] if grouped else fused_scales[start : start + room]
         views.append(
             PackedLinear(
-                fused[rows], part_bias, in_features, size, blocked, scales=part_scales, weight_format=weights
+                fused[rows],
+                part_bias,
+                in_features,
+                size,
+                blocked,
+                scales=part_scales,
+                weight_format=weight_format,
             )
         )
     return whole, views
@@ -421,9 +431,9 @@ def _grouped_parts(
     return q, torch.stack([scale, minimum], dim=-1).to(weight.dtype)
 
 
-def packed_bytes(module: nn.Linear | PackedLinear, weights: str) -> int:
-    """The most bytes :func:`pack_linears` stores for this module's matrix in format ``weights``."""
-    if weights in ("int8", "int4"):  # int4's matrices: 4 bits, or 8 (per group or output row)
+def packed_bytes(module: nn.Linear | PackedLinear, weight_format: str) -> int:
+    """The most bytes :func:`pack_linears` stores for this module's matrix in format ``weight_format``."""
+    if weight_format in ("int8", "int4"):  # int4's matrices: 4 bits, or 8 (per group or output row)
         return round_up(module.out_features) * -(-module.in_features // INT8_GROUP) * INT8_GROUP
     return round_up(module.out_features) * module.in_features * 4
 

@@ -28,7 +28,7 @@ from reader_spec.drafters.retrieval.corpus import (
 )
 from reader_spec.drafters.retrieval.datastore import (
     META_FILE,
-    SEP,
+    SEPARATOR,
     SUFFIX_ARRAY_FILE,
     TOKENS_FILE,
     Datastore,
@@ -40,7 +40,7 @@ from reader_spec.loading import load_tokenizer
 from reader_spec.prompts import PromptError, encode_prompt
 from tests.conftest import make_tiny_tokenizer
 
-BIG = [3, 70_001, 70_002, 123_456, 4_000_000_000, SEP - 1]
+BIG = [3, 70_001, 70_002, 123_456, 4_000_000_000, SEPARATOR - 1]
 """A small alphabet (so matches are long and frequent) of ids far beyond 16 bits."""
 
 
@@ -162,7 +162,7 @@ def test_documents_never_join(tmp_path):
     at_end = store.lookup([5, 6])
     assert (at_end.match_length, at_end.occurrences, at_end.continuations) == (2, 1, ())
     # A separator or negative id in the context is a barrier, never a match of the separators.
-    assert store.lookup([3, SEP, 4]).match_length == 1
+    assert store.lookup([3, SEPARATOR, 4]).match_length == 1
     assert store.lookup([3, -1, 4]).match_length == 1
 
 
@@ -170,7 +170,7 @@ def test_tokens_are_32_bit_and_checked(tmp_path):
     store = build(tmp_path / "s", [[70_000, 70_001, 4_000_000_000]])
     assert store.tokens.dtype == np.dtype("<u4")
     assert store.lookup([70_000]).continuations == (((70_001, 4_000_000_000), 1),)
-    for bad in ([SEP], [-1], [[1, 2]]):
+    for bad in ([SEPARATOR], [-1], [[1, 2]]):
         with pytest.raises(DatastoreError):
             build(tmp_path / "bad", [bad])
     with pytest.raises(DatastoreError, match="no tokens"):
@@ -504,9 +504,9 @@ def test_cli_build_from_model_answers(capsys, tiny, tiny_llama_dir, tmp_path, is
     store = Datastore.open(out_dir, fingerprint=tiny.fingerprint)
     odd = [lines[0]["messages"], lines[2]["messages"]]
     greedy = Engine(tiny, runner=runner).generate(odd, GenerationConfig(max_new_tokens=6))  # plain greedy
-    expected = [SEP]
+    expected = [SEPARATOR]
     for prompt, output in zip(odd, greedy, strict=True):
-        expected += encode_prompt(tiny.tokenizer, prompt) + output.tokens + [SEP]
+        expected += encode_prompt(tiny.tokenizer, prompt) + output.tokens + [SEPARATOR]
     assert store.tokens.tolist() == expected
     assert store.meta.sources[0]["kind"] == "model answers" and store.meta.sources[0]["prompts"] == 2
 

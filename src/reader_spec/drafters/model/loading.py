@@ -40,19 +40,19 @@ def check_same_tokenizer(draft: LoadedModel, target: LoadedModel) -> None:
         )
 
 
-def self_draft(target: LoadedModel, weights: str = SELF_WEIGHTS) -> LoadedModel:
-    """A copy of the target whose matrices are stored in ``weights`` (the fast runner's packing)."""
+def self_draft(target: LoadedModel, weight_format: str = SELF_WEIGHTS) -> LoadedModel:
+    """A copy of the target whose matrices are stored in ``weight_format`` (the fast runner's packing)."""
     if not supports(target.model):
         raise ModelLoadError(
             f"--draft-model self needs the fast runner, which does not run {type(target.model).__name__}; "
             "give a draft model instead (a smaller model with the same tokenizer)"
         )
     packed = getattr(target.model, "_reader_fast_decoder", None)
-    if packed is not None and packed.weights != "float32":  # the copy could only be as slow again
+    if packed is not None and packed.weight_format != "float32":  # the copy could only be as slow again
         raise ModelLoadError(
-            f"--draft-model self is a compressed copy of the target, and the target runs in {packed.weights} "
-            "already: give a smaller draft model with the same tokenizer"
+            "--draft-model self is a compressed copy of the target, and the target runs in "
+            f"{packed.weight_format} already: give a smaller draft model with the same tokenizer"
         )
     model = copy.deepcopy(target.model)
-    pack_weights(model, weights)
-    return replace(target, model=model, name=f"{target.name} ({weights} self-draft)")
+    pack_weights(model, weight_format)
+    return replace(target, model=model, name=f"{target.name} ({weight_format} self-draft)")

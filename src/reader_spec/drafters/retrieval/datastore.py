@@ -1,8 +1,9 @@
 """READER's long-term source: a suffix array over a large tokenized corpus, searched in microseconds.
 
-**Layout.** The corpus is one stream of 32-bit token ids, ``SEP doc1 SEP doc2 ... SEP docN SEP``, where
-``SEP = 2**32 - 1`` is never a token id (vocabularies above 65,536 work; REST's 16-bit ids do not).
-Queries never contain ``SEP``, so no match spans two documents, and continuations stop at it.
+**Layout.** The corpus is one stream of 32-bit token ids, ``| doc1 | doc2 ... | docN |``, where the
+separator ``|`` (``SEPARATOR = 2**32 - 1``) is never a token id (vocabularies above 65,536 work;
+REST's 16-bit ids do not). Queries never contain it, so no match spans two documents, and
+continuations stop at it.
 
 **Why a suffix array of the reversed stream.** Drafting needs the *longest suffix* of the current text
 that occurs in the corpus. Over the reversed stream that suffix, read backwards, is a prefix, so one
@@ -64,7 +65,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = "reader-spec-datastore"
 FORMAT_VERSION = 1
-SEP = 0xFFFF_FFFF
+SEPARATOR = 0xFFFF_FFFF
 """Document separator in the token stream; never a token id."""
 
 TOKENS_FILE = "tokens.bin"
@@ -139,7 +140,7 @@ class Datastore:
         self.path = path
         self.meta = meta
         self.tokens = tokens
-        """The stream ``SEP doc1 SEP ... docN SEP`` (uint32)."""
+        """The stream ``| doc1 | ... docN |`` (uint32, ``|`` the ``SEPARATOR``)."""
         self.suffix_array = suffix_array
         """Positions in ``tokens`` ordered by the reversed text ending there."""
         self._tok = _scalar_view(tokens, "I")
@@ -195,7 +196,7 @@ class Datastore:
                 raise DatastoreError(f"{file} is corrupt (checksum mismatch); rebuild the datastore")
             arrays[name] = np.memmap(file, dtype=np.dtype(info.dtype), mode="r", shape=(info.length,))
         tokens, suffix_array = arrays[TOKENS_FILE], arrays[SUFFIX_ARRAY_FILE]
-        if tokens[0] != SEP or tokens[-1] != SEP:
+        if tokens[0] != SEPARATOR or tokens[-1] != SEPARATOR:
             raise DatastoreError(
                 f"{path / TOKENS_FILE} is corrupt (no document separator at both ends); rebuild the datastore"
             )
@@ -305,7 +306,7 @@ class Datastore:
         ends = self._ends(self.suffix_array[picks], length)
         last = len(self.tokens) - 1  # always a separator
         window = self.tokens[np.minimum(ends[:, None] + np.arange(1, max_depth + 1), last)]
-        stops = window == SEP
+        stops = window == SEPARATOR
         cuts = np.where(stops.any(axis=1), stops.argmax(axis=1), max_depth).tolist()
         counts: dict[tuple[int, ...], int] = {}
         for row, cut in zip(window.tolist(), cuts, strict=True):
@@ -370,8 +371,8 @@ def _query(context: Sequence[int], max_suffix: int) -> list[int]:
     """The context's last ``max_suffix`` tokens, after its last non-token-id (a barrier: nothing
     before it can match)."""
     query = [int(t) for t in context[-max_suffix:]]
-    if query and (min(query) < 0 or max(query) >= SEP):
-        query = query[max(i for i, t in enumerate(query) if not 0 <= t < SEP) + 1 :]
+    if query and (min(query) < 0 or max(query) >= SEPARATOR):
+        query = query[max(i for i, t in enumerate(query) if not 0 <= t < SEPARATOR) + 1 :]
     return query
 
 
@@ -398,7 +399,7 @@ def read_meta(path: Path) -> Meta:
         known = {k: v for k, v in raw.items() if k in Meta.__dataclass_fields__}
         meta = Meta(**{**known, "files": files})
         lengths = {info.length for info in files.values()}
-        if len(lengths) != 1 or min(lengths) < 3:  # the smallest stream is SEP token SEP
+        if len(lengths) != 1 or min(lengths) < 3:  # the smallest stream is a separator, a token, a separator
             raise ValueError("array lengths disagree")
         for info in files.values():
             if np.dtype(info.dtype).itemsize * info.length != info.bytes:
@@ -425,12 +426,12 @@ def _concatenate(documents: Iterable[Sequence[int]]) -> tuple[np.ndarray, int]:
             raise DatastoreError(f"document {number} is not a flat sequence of token ids")
         if len(ids) == 0:
             continue
-        if ids.min() < 0 or ids.max() >= SEP:
-            raise DatastoreError(f"document {number} has a token id outside [0, {SEP})")
+        if ids.min() < 0 or ids.max() >= SEPARATOR:
+            raise DatastoreError(f"document {number} has a token id outside [0, {SEPARATOR})")
         parts.append(ids.astype(np.uint32))
     if not parts:
         raise DatastoreError("no tokens to index: every document is empty")
-    stream = np.full(sum(len(p) for p in parts) + len(parts) + 1, SEP, dtype=np.uint32)
+    stream = np.full(sum(len(p) for p in parts) + len(parts) + 1, SEPARATOR, dtype=np.uint32)
     at = 1
     for part in parts:
         stream[at : at + len(part)] = part
@@ -443,8 +444,8 @@ def _suffix_array(stream: np.ndarray) -> np.ndarray:
     from pydivsufsort import divsufsort
 
     reversed_stream = stream[::-1].copy()
-    top = int(reversed_stream[reversed_stream != SEP].max())
-    reversed_stream[reversed_stream == SEP] = top + 1  # same order, smaller symbols to sort
+    top = int(reversed_stream[reversed_stream != SEPARATOR].max())
+    reversed_stream[reversed_stream == SEPARATOR] = top + 1  # same order, smaller symbols to sort
     order = divsufsort(reversed_stream)
     del reversed_stream
     ends = order.astype("<i4" if len(stream) <= np.iinfo(np.int32).max else "<i8", copy=False)
